@@ -1,0 +1,101 @@
+"""Plain (non-speculative) decoding with the reference target: the baseline every engine must equal.
+
+Given prompt ids x_0..x_{n-1}, the target runs over the prompt once (prefill), then one token at
+a time. The token at position p is argmax(logits_{p-1}) when greedy, else the inverse-CDF draw of
+the filtered distribution p_{p-1} (``reference/sampling.py``) with the uniform
+``rng.uniform(seed, p, Purpose.SAMPLE)``. Generation ends after ``max_tokens`` tokens, at a stop
+id (unless ``ignore_eos``), or at a stop string (the text is cut before it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .errors import RequestError
+from .rng import Purpose, uniform
+from .sampling import greedy_token, sample_from_probs, target_probs
+from .sampling_params import SamplingParams
+from .target import ReferenceTarget
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "length" | "stop"
+    text: str = ""
+    timing: dict[str, float] = field(default_factory=dict)
+
+
+def check_prompt(prompt_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_context: int) -> None:
+    """Refuse an empty prompt, out-of-vocabulary ids, or a request longer than the context."""
+    if len(prompt_ids) == 0:
+        raise RequestError("prompt: expected at least one token, got an empty prompt")
+    bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise RequestError(f"prompt token ids {bad[:5]}: expected integers in [0, {vocab_size})")
+    total = len(prompt_ids) + params.max_tokens
+    if total > max_context:
+        raise RequestError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total}: expected at most "
+            f"the model's context of {max_context} tokens")
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """The token placed at ``position`` given the logits of the row before it  # logits [V]."""
+    if params.greedy:
+        return greedy_token(logits)
+    return sample_from_probs(target_probs(logits, params), uniform(params.seed, position, Purpose.SAMPLE))
+
+
+def _stop_string_hit(text: str, stop: Sequence[str]) -> int | None:
+    hits = [text.find(s) for s in stop if s in text]
+    return min(hits) if hits else None
+
+
+def generate(
+    target: ReferenceTarget,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    stop_token_ids: Sequence[int] = (),
+    decode: Callable[[list[int]], str] | None = None,
+) -> GenerationResult:
+    """Decode one request token by token. ``decode`` turns ids into text (needed for stop strings)."""
+    cfg = target.cfg
+    check_prompt(prompt_ids, params, cfg.vocab_size, cfg.max_position_embeddings)
+    if params.stop and decode is None:
+        raise RequestError("stop strings need a tokenizer to decode the output")
+    stop_ids = set() if params.ignore_eos else set(stop_token_ids)
+    cache = target.new_cache()
+    start = time.perf_counter()
+    logits = target.forward(torch.tensor(list(prompt_ids)), cache).logits[-1]
+    prefill_s = time.perf_counter() - start
+    out: list[int] = []
+    finish = "length"
+    text, cut_by_stop_string = "", False
+    while True:
+        token = next_token(logits, params, len(prompt_ids) + len(out))
+        out.append(token)
+        if token in stop_ids:
+            finish = "stop"
+            break
+        if params.stop:
+            text = decode(out)
+            cut = _stop_string_hit(text, params.stop)
+            if cut is not None:
+                text, finish, cut_by_stop_string = text[:cut], "stop", True
+                break
+        if len(out) >= params.max_tokens:
+            break
+        logits = target.forward(torch.tensor([token]), cache).logits[-1]
+    total_s = time.perf_counter() - start
+    if decode is not None and not cut_by_stop_string:
+        text = decode(out)
+    decode_s = total_s - prefill_s
+    timing = {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": total_s,
+              "output_tokens_per_s": len(out) / total_s if total_s > 0 else 0.0}
+    return GenerationResult(list(prompt_ids), out, finish, text, timing)

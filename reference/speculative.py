@@ -1,0 +1,142 @@
+"""The speculative loop for one request: propose k tokens, verify them with the target, commit.
+
+State between steps: the committed tokens, the target cache holding every committed token but
+the last (the anchor t0 at position s, not yet run through the target), and the proposer.
+
+One step, anchor t0 at position s:
+
+1. ``proposal = proposer.propose(t0, s, k)``: y_1..y_k for positions s+1..s+k with q_1..q_k;
+2. the target runs over ``[t0, y_1..y_k]`` (positions s..s+k); row i gives p_{i+1};
+3. verify: greedy prefix match, or sparse-q rejection with uniforms keyed by (seed, s, purpose,
+   slot) (``reference/verify.py``): ``num_accepted`` a drafts kept, ``num_emitted = a + 1``
+   tokens committed (y_1..y_a and the correction or bonus token);
+4. GDN rollback by replay: the target's recurrent state cannot drop rows, so when a < k the
+   cache is restored from the snapshot taken before step 2 and the target re-runs over
+   ``[t0, y_1..y_a]``; full-attention K/V rows past the frontier go with the snapshot;
+5. ``proposer.observe`` sees all k+1 rows with ``num_committed = a + 1``; the last emitted
+   token becomes the next anchor at s + a + 1.
+
+Plain decoding (``algorithm = "none"``) is ``reference/generate.py``; with k = 0 drafts this loop
+would emit exactly one token per step the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .errors import RequestError
+from .generate import GenerationResult, check_prompt, next_token
+from .proposer import Proposal, Proposer
+from .sampling import greedy_token, target_probs
+from .sampling_params import SamplingParams
+from .target import ReferenceTarget
+from .verify import verify_greedy, verify_sampled_keyed
+
+
+@dataclass
+class StepRecord:
+    """One verify step, as ``--trace`` writes it."""
+
+    anchor_position: int
+    draft_tokens: list[int]
+    cand_ids: list[list[int]]
+    draft_probs: list[list[float]]
+    target_tokens: list[int]  # the target's argmax at each verified row
+    num_accepted: int
+    emitted: list[int]
+
+    def to_json(self) -> dict:
+        return dict(anchor_position=self.anchor_position, draft_tokens=self.draft_tokens, cand_ids=self.cand_ids,
+                    q=self.draft_probs, target_tokens=self.target_tokens, num_accepted=self.num_accepted,
+                    emitted=self.emitted)
+
+
+@dataclass
+class SpeculativeResult(GenerationResult):
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return sum(len(s.emitted) for s in self.steps) / max(len(self.steps), 1)
+
+
+def verify_step(target: ReferenceTarget, cache, anchor_token: int, anchor_position: int, proposal: Proposal,
+                params: SamplingParams):
+    """Steps 2-4 above: returns (the verify forward's output, num_accepted, emitted, the cache after commit)."""
+    drafts = proposal.tokens.tolist()
+    snapshot = cache.clone()
+    out = target.forward(torch.tensor([anchor_token] + drafts), cache)  # rows s..s+k
+    if params.greedy:
+        result = verify_greedy(proposal.tokens, out.logits)
+    else:
+        probs = torch.stack([target_probs(row, params) for row in out.logits])
+        result = verify_sampled_keyed(proposal.tokens, proposal.cand_ids, proposal.draft_probs, probs,
+                                      params.seed, anchor_position)
+    if result.num_accepted < len(drafts):
+        cache = snapshot
+        target.forward(torch.tensor([anchor_token] + drafts[:result.num_accepted]), cache)
+    return out, result.num_accepted, list(result.emitted), cache
+
+
+def speculative_generate(
+    target: ReferenceTarget,
+    proposer: Proposer,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    num_steps: int,
+    stop_token_ids: Sequence[int] = (),
+    decode: Callable[[list[int]], str] | None = None,
+) -> SpeculativeResult:
+    """Decode one request speculatively with ``num_steps`` (k) drafts per verify."""
+    cfg = target.cfg
+    check_prompt(prompt_ids, params, cfg.vocab_size, cfg.max_position_embeddings)
+    if params.stop and decode is None:
+        raise RequestError("stop strings need a tokenizer to decode the output")
+    stop_ids = set() if params.ignore_eos else set(stop_token_ids)
+    start = time.perf_counter()
+    cache = target.new_cache()
+    prompt = list(prompt_ids)
+    out = target.forward(torch.tensor(prompt), cache)
+    proposer.observe(prompt, 0, out, len(prompt))
+    anchor, position = next_token(out.logits[-1], params, len(prompt)), len(prompt)
+    prefill_s = time.perf_counter() - start
+    output, steps, finish = [anchor], [], "length"
+    text, cut = "", False
+
+    def finished() -> bool:
+        nonlocal finish, text, cut, output
+        for i, t in enumerate(output):
+            if t in stop_ids:
+                output, finish = output[:i + 1], "stop"
+                return True
+        if params.stop:
+            text = decode(output)
+            hits = [text.find(s) for s in params.stop if s in text]
+            if hits:
+                text, finish, cut = text[:min(hits)], "stop", True
+                return True
+        if len(output) >= params.max_tokens:
+            output = output[:params.max_tokens]
+            return True
+        return False
+
+    while not finished():
+        k = min(num_steps, params.max_tokens - len(output))  # never verify past the request's end
+        proposal = proposer.propose(anchor, position, k, params)
+        rows, num_accepted, emitted, cache = verify_step(target, cache, anchor, position, proposal, params)
+        proposer.observe([anchor] + proposal.tokens.tolist(), position, rows, num_accepted + 1)
+        steps.append(StepRecord(position, proposal.tokens.tolist(), proposal.cand_ids.tolist(),
+                                proposal.draft_probs.tolist(), [greedy_token(r) for r in rows.logits],
+                                num_accepted, emitted))
+        output += emitted
+        anchor, position = emitted[-1], position + num_accepted + 1
+    total_s = time.perf_counter() - start
+    if decode is not None and not cut:
+        text = decode(output)
+    timing = {"prefill_s": prefill_s, "decode_s": total_s - prefill_s, "total_s": total_s,
+              "output_tokens_per_s": len(output) / total_s if total_s > 0 else 0.0}
+    return SpeculativeResult(prompt, output, finish, text, timing, steps)
