@@ -26,6 +26,11 @@ from .errors import CheckpointError
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+def has_tokenizer(model_path: str | Path) -> bool:
+    """Whether the folder ships tokenizer files at all (a checkpoint may come without)."""
+    return any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerFast:
     """The checkpoint's tokenizer; raises :class:`CheckpointError` when its files are missing."""
     model_path = Path(model_path)
