@@ -67,7 +67,8 @@ def tiny_draft_config(target: TargetConfig, *, num_layers: int = 2, block_size: 
         "dflash_config": {
             "block_size": block_size,
             "mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id,
-            "target_layer_ids": target_layer_ids or default_target_layer_ids(target.num_hidden_layers, num_layers),
+            "target_layer_ids": default_target_layer_ids(target.num_hidden_layers, num_layers)
+            if target_layer_ids is None else list(target_layer_ids),
             "conv_kernel_size": conv_kernel_size,
             "conv_group_size": conv_group_size or math.gcd(16, hidden),
             "selector_rank": selector_rank,

@@ -13,8 +13,9 @@ Generator: Philox-4x32 with 10 rounds (Salmon et al., "Parallel random numbers: 
               (k0, k1) <- (k0 + 0x9E3779B9, k1 + 0xBB67AE85)       all mod 2^32
     with A = 0xD2511F53, B = 0xCD9E8D57; the output is c0 after 10 rounds.
 
-Uniform: u = ((c0 >> 8) + 0.5) * 2^-24, which is exact in fp32 and lies in the open interval
-(0, 1), so neither 0 nor 1 can be drawn.
+Uniform: u = ((c0 >> 9) + 0.5) * 2^-23 = (2m + 1) * 2^-24 with m < 2^23, so the numerator
+fits fp32's 24-bit significand: u is exact in fp32 (and fp64) and lies in the open interval
+(0, 1); neither 0 nor 1 can be drawn.
 
 Purposes (one per kind of draw; ``slot`` numbers draws of the same kind at one position):
 SAMPLE the target's token at ``position`` (plain decoding and the prefill's first token),
@@ -67,7 +68,7 @@ def uniform(seed: int, position: int, purpose: Purpose, slot: int = 0) -> float:
         if not 0 <= value <= MASK32:
             raise ValueError(f"{name}={value}: expected an integer in [0, 2^32)")
     word = philox4x32(check_seed(seed), position, int(purpose), slot)[0]
-    return ((word >> 8) + 0.5) * 2.0**-24
+    return ((word >> 9) + 0.5) * 2.0**-23
 
 
 def uniforms(seed: int, position: int, purpose: Purpose, num_slots: int) -> torch.Tensor:

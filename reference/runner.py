@@ -3,28 +3,76 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .checkpoint import load_target
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError, expect
 from .generate import GenerationResult, generate
+from .proposer import Proposer
 from .sampling_params import SamplingParams
+from .speculative import speculative_generate
 from .target import ReferenceTarget
 from .tokenizer import check_tokenizer_fits, eos_token_ids, has_tokenizer, load_tokenizer
 
+SPECULATIVE_ALGORITHMS = ("none", "mtp", "dflash")
+DEFAULT_MTP_STEPS = 3
+
 
 class ReferenceRunner:
-    """A target checkpoint (and its tokenizer, when the folder has one) ready to decode in fp32."""
+    """A target checkpoint (its tokenizer when the folder has one, and an optional proposer) in fp32.
 
-    def __init__(self, model_path: str | Path):
+    Every refusal happens here, before any generation: an unknown algorithm, a draft path with
+    no dflash, a dflash without a draft, a draft that does not fit the target, a target without
+    an MTP head for mtp, or k outside its range.
+    """
+
+    def __init__(self, model_path: str | Path, speculative_algorithm: str = "none",
+                 draft_model_path: str | Path | None = None, num_steps: int | None = None):
         self.model_path = Path(model_path)
+        expect(speculative_algorithm in SPECULATIVE_ALGORITHMS, ConfigError, "speculative_algorithm",
+               speculative_algorithm, f"one of {SPECULATIVE_ALGORITHMS}")
+        if speculative_algorithm != "dflash" and draft_model_path:
+            raise ConfigError(f"speculative_draft_model_path={str(draft_model_path)!r}: only used with "
+                              f"speculative_algorithm 'dflash', got {speculative_algorithm!r}")
+        if speculative_algorithm == "none" and num_steps is not None:
+            raise ConfigError(f"speculative_num_steps={num_steps!r}: only used with speculative_algorithm "
+                              "'mtp' or 'dflash'")
         cfg, weights = load_target(self.model_path)
+        self.algorithm = speculative_algorithm
         self.target = ReferenceTarget(cfg, weights)
+        self.num_steps: int | None = None
+        self._new_proposer: Callable[[], Proposer] | None = None
+        if speculative_algorithm == "mtp":
+            self._setup_mtp(cfg, weights, num_steps)
+        elif speculative_algorithm == "dflash":
+            self._setup_dflash(cfg, weights, draft_model_path, num_steps)
         self.tokenizer = None
         if has_tokenizer(self.model_path):
             self.tokenizer = load_tokenizer(self.model_path)
             check_tokenizer_fits(self.tokenizer, cfg.vocab_size)
         self.stop_token_ids = eos_token_ids(self.model_path, self.tokenizer)
+
+    def _setup_mtp(self, cfg, weights, num_steps: int | None) -> None:
+        from .mtp import ReferenceMTP
+        from .mtp_proposer import MTPProposer
+
+        expect(cfg.mtp_num_hidden_layers == 1, ConfigError, "mtp_num_hidden_layers", cfg.mtp_num_hidden_layers,
+               "1 for speculative_algorithm 'mtp' (this target has no MTP head)")
+        k = DEFAULT_MTP_STEPS if num_steps is None else num_steps
+        expect(isinstance(k, int) and k >= 1, ConfigError, "speculative_num_steps", k, "an integer >= 1")
+        mtp = ReferenceMTP(cfg, weights)
+        self.num_steps = k
+        self._new_proposer = lambda: MTPProposer(mtp)
+
+    def _setup_dflash(self, cfg, weights, draft_model_path, num_steps: int | None) -> None:
+        from .dflash_proposer import DFlashProposer
+        from .draft import ReferenceDraft
+        from .draft_checkpoint import load_draft
+
+        draft_cfg, draft_weights = load_draft(draft_model_path, cfg, num_steps)
+        draft = ReferenceDraft(draft_cfg, draft_weights, weights)
+        self.num_steps = draft_cfg.num_steps
+        self._new_proposer = lambda: DFlashProposer(draft)
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         if self.tokenizer is None:
@@ -40,4 +88,7 @@ class ReferenceRunner:
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
         decode = self.decode if self.tokenizer is not None else None
-        return generate(self.target, prompt_ids, params, self.stop_token_ids, decode)
+        if self._new_proposer is None:
+            return generate(self.target, prompt_ids, params, self.stop_token_ids, decode)
+        return speculative_generate(self.target, self._new_proposer(), prompt_ids, params, self.num_steps,
+                                    self.stop_token_ids, decode)

@@ -43,3 +43,14 @@ def test_uniform_refuses_out_of_range_keys():
 def test_derived_seeds_differ():
     seeds = [derive_seed(5, i) for i in range(100)]
     assert len(set(seeds)) == 100 and all(0 <= s < 2**64 for s in seeds)
+
+
+def test_uniform_is_exact_in_fp32_at_the_extremes():
+    import torch
+
+    from dflash2.reference import rng
+
+    for word in (0, 2**32 - 1, 2**31, 12345):
+        u = ((word >> 9) + 0.5) * 2.0**-23
+        assert float(torch.tensor(u, dtype=torch.float32)) == u and 0.0 < u < 1.0
+    assert float(rng.uniforms(3, 0, Purpose.ACCEPT, 64).double().max()) < 1.0
