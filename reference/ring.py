@@ -25,20 +25,25 @@ means: every row written but not committed lies at a position in [f, f+M] = f, f
 which is M+1 = 65 positions (the frontier's own row plus 64 after it). Keeping it there is the
 caller's obligation; the two writers that run ahead of the frontier are a verify (rows f..f+k,
 k+1 <= B = 8 of them) and a prefill chunk that runs past a 64-token GDN snapshot boundary b
-(relative to that snapshot the frontier is b, and the chunk's rows after b must stay in
-b..b+64 so that the window a restore from b needs is still intact in the ring).
+(relative to that snapshot the frontier is b; the chunk's rows after b must stay in b..b+64 so
+that the rows b-W+1..b-1 a restore from b needs are not overwritten).
 
-Invariant. With frontier f, every committed position r readable by some anchor s' >= f, that is
-r in [max(0, f-W+1), f-1], holds its own row (tag r) after any writes at positions in
-[f, f+M]. Proof: such a write at p and such an r satisfy
+Invariant I(f): every r in [max(0, f-W+1), f-1] (the committed rows any anchor >= f can read)
+sits in slot r mod C with tag r and the row committed for r.
+(1) A write at p in [f, f+M] keeps I(f): for such p and r,
 
     1 <= p - r <= (f + M) - (f - W + 1) = W + M - 1 = C - 1 < C,
 
-so p != r (mod C) and the write lands in another slot. Rows in [f, f+M] are also pairwise
-distinct mod C (they differ by at most M < C). When the frontier moves from f to f' (f < f'
-<= f+M+1), the rows in [f, f'-1] are the latest writes at those positions, still in their
-slots by the same arithmetic, so the invariant holds again at f' by induction. It is tight: a
-write at f+M+1 = f-W+1 + C lands on the slot of f-W+1, which anchor f still reads.
+    so p != r (mod C) and the write lands in another slot.
+(2) Moving the frontier from f to f' <= f+M+1 (after rows f..f'-1 were written since the frontier
+    reached f) gives I(f'): the committed row of each p in [f, f'-1] is its latest write, still in
+    its slot because positions in [f, f+M] are pairwise distinct mod C (they differ by <= M < C);
+    [f'-W+1, f-1] is covered by I(f). A prefill committing n rows at once (n may exceed C) is
+    written in order; its last W-1 rows are pairwise distinct mod C, so they survive and I(f+n)
+    holds.
+(3) Tight: a write at f+M+1 = (f-W+1) + C lands on the slot of f-W+1, which anchor f reads.
+(4) Writes only ever land at positions >= the frontier, so a slot tagged r < f holds r's
+    committed row: a read at an earlier anchor returns the right rows or raises, never others.
 
 Prefix-cache restore. ``rebuild`` starts from nothing and writes the last W-1 committed rows
 before the frontier, exactly readable(f); by the invariant this is all a live ring can be read

@@ -1,0 +1,159 @@
+"""The ``ft`` command line.
+
+``ft generate``  decode one prompt (``--engine reference`` runs the fp32 executable spec);
+``ft make-tiny`` write a tiny random checkpoint in real HF format (tests, demos).
+
+User errors (bad paths, configs, checkpoints, sampling parameters) print one line to stderr and
+exit with status 2; anything else is a bug and keeps its traceback. Flag defaults are read from
+the dataclasses they fill, so there is one source of truth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from typing import Sequence
+
+from dflash2.reference.errors import UserInputError
+from dflash2.reference.sampling_params import SamplingParams
+
+ENGINES = ("reference",)
+ALGORITHMS = ("none", "mtp", "dflash")
+
+
+def _default(field_name: str):
+    return {f.name: f for f in fields(SamplingParams)}[field_name].default
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r}: expected comma-separated integers") from None
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="decode one prompt")
+    p.add_argument("--model", required=True, help="target checkpoint folder (HF format)")
+    p.add_argument("--engine", choices=ENGINES, default="reference",
+                   help="which implementation runs the model (default: %(default)s)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", type=_prompt_ids, help="prompt token ids, comma separated")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=_default("max_tokens"))
+    p.add_argument("--temperature", type=float, default=_default("temperature"), help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=_default("top_p"))
+    p.add_argument("--top-k", type=int, default=_default("top_k"), help="-1 is off")
+    p.add_argument("--seed", type=int, default=_default("seed"))
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--n", type=int, default=1, help="independent samples of the prompt (seeds derived from --seed)")
+    p.add_argument("--speculative-algorithm", choices=ALGORITHMS, default="none")
+    p.add_argument("--speculative-draft-model-path", default=None, help="DFlash 2 draft checkpoint folder")
+    p.add_argument("--speculative-num-steps", type=int, default=None,
+                   help="drafts per verify step k (default: block_size - 1 for dflash, 3 for mtp)")
+    p.add_argument("--trace", default=None, help="write one JSON line per verify step to this file")
+    p.set_defaults(func=_run_generate)
+
+
+def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
+    from dflash2.reference.factory import PRESETS
+
+    p = sub.add_parser("make-tiny", help="write a tiny random checkpoint in real HF format")
+    p.add_argument("--out", required=True, help="folder to write (created)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny-dense")
+    p.add_argument("--seed", type=int, default=None, help="weight seed (default: the preset's)")
+    p.add_argument("--draft-out", default=None, help="also write a tiny random DFlash 2 draft for it here")
+    p.set_defaults(func=_run_make_tiny)
+
+
+def _run_make_tiny(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from dflash2.reference.factory import PRESETS, write_tiny_target
+
+    spec = PRESETS[args.preset]
+    if args.seed is not None:
+        spec = replace(spec, seed=args.seed)
+    path = write_tiny_target(args.out, spec)
+    print(f"wrote {args.preset} to {path}")
+    if args.draft_out:
+        from dflash2.reference.draft_factory import write_tiny_draft
+
+        draft = write_tiny_draft(args.draft_out, path, seed=spec.seed)
+        print(f"wrote a DFlash 2 draft for it to {draft}")
+    return 0
+
+
+def _sample_json(index: int, seed: int, result) -> dict:
+    steps = getattr(result, "steps", None)
+    sample = {"index": index, "seed": seed, "token_ids": result.token_ids, "text": result.text,
+              "finish_reason": result.finish_reason, "timing": result.timing}
+    if steps is not None:
+        sample["verify_steps"] = len(steps)
+        sample["tokens_per_step"] = result.tokens_per_step
+    return sample
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from dflash2.reference.rng import derive_seed
+    from dflash2.reference.runner import ReferenceRunner
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    if args.n < 1:
+        raise UserInputError(f"n={args.n}: expected an integer >= 1")
+    runner = ReferenceRunner(args.model, speculative_algorithm=args.speculative_algorithm,
+                             draft_model_path=args.speculative_draft_model_path,
+                             num_steps=args.speculative_num_steps)
+    if args.prompt is not None:
+        prompt_ids = runner.encode(args.prompt, chat=args.chat)
+    else:
+        if args.chat:
+            raise UserInputError("--chat: expected --prompt text (it cannot wrap --prompt-ids)")
+        prompt_ids = args.prompt_ids
+    seeds = [params.seed] if args.n == 1 else [derive_seed(params.seed, i) for i in range(args.n)]
+    results = [runner.generate(prompt_ids, replace(params, seed=seed)) for seed in seeds]
+    if args.trace:
+        with open(args.trace, "w") as trace:
+            for index, result in enumerate(results):
+                for step_index, step in enumerate(getattr(result, "steps", [])):
+                    trace.write(json.dumps({"sample": index, "step": step_index, **step.to_json()}) + "\n")
+    if args.json:
+        samples = [_sample_json(i, seed, r) for i, (seed, r) in enumerate(zip(seeds, results))]
+        print(json.dumps({"engine": args.engine, "speculative_algorithm": args.speculative_algorithm,
+                          "num_steps": runner.num_steps, "prompt_token_ids": list(prompt_ids),
+                          "token_ids": results[0].token_ids, "text": results[0].text,
+                          "finish_reason": results[0].finish_reason, "timing": results[0].timing,
+                          "samples": samples}))
+    else:
+        for result in results:
+            print(result.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ft", description="dflash2: DFlash 2 speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_make_tiny(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserInputError as exc:
+        print(f"ft {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
