@@ -17,10 +17,16 @@ Uniform: u = ((c0 >> 9) + 0.5) * 2^-23 = (2m + 1) * 2^-24 with m < 2^23, so the 
 fits fp32's 24-bit significand: u is exact in fp32 (and fp64) and lies in the open interval
 (0, 1); neither 0 nor 1 can be drawn.
 
-Purposes (one per kind of draw; ``slot`` numbers draws of the same kind at one position):
-SAMPLE the target's token at ``position`` (plain decoding and the prefill's first token),
-SELECTOR the draft selector's pick for slot i, ACCEPT the acceptance test of slot i,
-RESIDUAL the resample after a rejection, BONUS the token after a fully accepted block.
+Keys used by the system (s is a verify step's anchor position, i = 1..k a draft slot):
+
+    what                                          position   purpose    slot
+    a token sampled by plain decoding / prefill   its own    SAMPLE     0
+    the selector's pick at slot i                 s          SELECTOR   i
+    the acceptance test of slot i                 s          ACCEPT     i
+    the resample after a rejection                s          RESIDUAL   0
+    the bonus token after k acceptances           s          BONUS      0
+
+A request's anchors strictly increase, so no key is used twice within a request.
 """
 
 from __future__ import annotations
