@@ -1,0 +1,1 @@
+"""The engine: memory pools, scheduler, model runner, sampler, offline API plumbing."""

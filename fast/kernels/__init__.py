@@ -1,0 +1,1 @@
+"""Triton kernels, each beside its reference twin (see conformance/ops/ and fast/kernels/registry.py)."""

@@ -1,0 +1,1 @@
+"""Speculative decoding in the fast engine: batched proposers (DFlash 2, MTP) and the batched verifier."""
