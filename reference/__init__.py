@@ -9,4 +9,48 @@ Rules: one concept per file, equations in docstrings, shapes at function boundar
 (``# [T, H, D]``), no hidden global state (randomness is an argument), and no import of
 ``dflash2.fast`` or Triton. This package also owns the formats (config parsing, checkpoint
 loading and validation, the tiny checkpoint factory) so both sides load identically.
+
+Module map (docs/architecture.md has the request lifecycle; docs/walkthrough.md one step):
+
+Formats (shared with the fast engine)
+    config             the target's config.json: parsing, validation, ``TargetConfig``
+    weights            the canonical target tensor names and shapes (the loader/model contract)
+    checkpoint         target safetensors (flat, wrapper, sharded, fused or per-expert) -> canonical
+    factory            tiny random targets written in the real Qwen3.5 HF format
+    tokenizer          loading a folder's tokenizer as both engines do; fit and EOS checks
+    tokenizer_factory  tokenizer files for tiny checkpoints (small BPE, or the real Qwen3.5 BPE)
+    chat_template      the ChatML chat template with Qwen3.5's thinking rules
+    draft_config       the DFlash 2 draft's config.json: startup validation against the target, k
+    draft_checkpoint   the draft's tensor table, validated by name and shape, and its loading
+    draft_factory      tiny random DFlash 2 drafts in the real format, fitted to a target
+    errors             user-facing errors (config, checkpoint, request), one line each
+
+Target (Qwen3.5 hybrid, fp32)
+    norm               zero-centred RMSNorm and the gated RMSNorm of GDN outputs
+    rope               partial NeoX rotary embedding at absolute positions
+    delta_rule         the gated delta rule: the recurrent definition and its chunked twin
+    gdn                the Gated DeltaNet mixer: causal conv, gates, delta rule; ``GDNState``
+    attention          gated full attention over an explicit ``KVCache``
+    mlp                the dense SwiGLU MLP
+    moe                the routed mixture of experts with its gated shared expert
+    layer              one pre-norm residual decoder layer (GDN or attention, MLP or MoE)
+    target             the whole model: embedding, layers, final norm, head; taps; ``TargetCache``
+    mtp                the multi-token-prediction head (``mtp.*``) and its own cache
+
+Speculative decoding
+    rng                keyed randomness: Philox uniforms by (seed, position, purpose, slot)
+    sampling_params    per-request sampling parameters and their validation
+    sampling           the target's filtered distribution p and the inverse-CDF draw
+    proposer           the ``Proposer`` interface and ``Proposal`` (tokens, candidates, q)
+    ring               the per-request DFlash K/V ring: slots, tagged reads, rebuild
+    conv               the grouped dynamic causal conv around each draft sublayer
+    draft              the DFlash 2 draft forward: context rows, context K/V, the block
+    selector           the candidate selector: top-K_sel candidates, edge scores, the walk, q
+    dflash_proposer    DFlash 2 as a proposer: ring writes on observe, block and walk on propose
+    mtp_proposer       MTP as a proposer: chained greedy steps, truncation on observe
+    ngram_proposer     prompt lookup as a proposer (the worked example of writing-a-proposer)
+    verify             greedy prefix match and sparse-q rejection, with untrusted-row handling
+    speculative        the loop for one request: propose, verify, GDN rollback by replay, observe
+    generate           plain decoding, the baseline; prompt checks and the first token
+    runner             a checkpoint folder to decoding: what ``ft generate --engine reference`` runs
 """

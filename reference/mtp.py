@@ -33,7 +33,9 @@ same order, the layer as a one-layer model with ``full_attention_interval = 1``)
 
 The MTP cache therefore lags the target by one position: after the target has seen tokens
 ``t_0 .. t_n`` and the next token ``t_{n+1}`` is known, the MTP has consumed the pairs for
-positions ``0 .. n``. Rolling back rejected drafts is :meth:`MTPCache.truncate`.
+positions ``0 .. n-1``; the pair at n, ``(h_n, t_{n+1})``, is the first step of the next draft
+chain (:func:`greedy_chain`) and stays cached. Rolling back rejected drafts is
+:meth:`MTPCache.truncate`.
 """
 
 from __future__ import annotations

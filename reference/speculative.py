@@ -16,8 +16,9 @@ One step, anchor t0 at position s:
 5. ``proposer.observe`` sees all k+1 rows with ``num_committed = a + 1``; the last emitted
    token becomes the next anchor at s + a + 1.
 
-Plain decoding (``algorithm = "none"``) is ``reference/generate.py``; with k = 0 drafts this loop
-would emit exactly one token per step the same way.
+Plain decoding (``algorithm = "none"``) is ``reference/generate.py``. A step with no drafts emits
+one token with the same law as plain decoding, and the same token when greedy; a sampled one is
+drawn with the key (seed, s, BONUS, 0) instead of plain decoding's (seed, s+1, SAMPLE, 0).
 """
 
 from __future__ import annotations
