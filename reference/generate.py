@@ -19,6 +19,7 @@ from .errors import RequestError
 from .rng import Purpose, uniform
 from .sampling import greedy_token, sample_from_probs, target_probs
 from .sampling_params import SamplingParams
+from .stopping import Stopper, timing
 from .target import ReferenceTarget
 
 
@@ -52,11 +53,6 @@ def next_token(logits: torch.Tensor, params: SamplingParams, position: int) -> i
     return sample_from_probs(target_probs(logits, params), uniform(params.seed, position, Purpose.SAMPLE))
 
 
-def _stop_string_hit(text: str, stop: Sequence[str]) -> int | None:
-    hits = [text.find(s) for s in stop if s in text]
-    return min(hits) if hits else None
-
-
 def generate(
     target: ReferenceTarget,
     prompt_ids: Sequence[int],
@@ -67,35 +63,17 @@ def generate(
     """Decode one request token by token. ``decode`` turns ids into text (needed for stop strings)."""
     cfg = target.cfg
     check_prompt(prompt_ids, params, cfg.vocab_size, cfg.max_position_embeddings)
-    if params.stop and decode is None:
-        raise RequestError("stop strings need a tokenizer to decode the output")
-    stop_ids = set() if params.ignore_eos else set(stop_token_ids)
+    stopper = Stopper(params, stop_token_ids, decode)
     cache = target.new_cache()
     start = time.perf_counter()
     logits = target.forward(torch.tensor(list(prompt_ids)), cache).logits[-1]
-    prefill_s = time.perf_counter() - start
+    prefill_end = time.perf_counter()
     out: list[int] = []
-    finish = "length"
-    text, cut_by_stop_string = "", False
     while True:
-        token = next_token(logits, params, len(prompt_ids) + len(out))
-        out.append(token)
-        if token in stop_ids:
-            finish = "stop"
+        out.append(next_token(logits, params, len(prompt_ids) + len(out)))
+        out, finish = stopper.check(out)
+        if finish is not None:
             break
-        if params.stop:
-            text = decode(out)
-            cut = _stop_string_hit(text, params.stop)
-            if cut is not None:
-                text, finish, cut_by_stop_string = text[:cut], "stop", True
-                break
-        if len(out) >= params.max_tokens:
-            break
-        logits = target.forward(torch.tensor([token]), cache).logits[-1]
-    total_s = time.perf_counter() - start
-    if decode is not None and not cut_by_stop_string:
-        text = decode(out)
-    decode_s = total_s - prefill_s
-    timing = {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": total_s,
-              "output_tokens_per_s": len(out) / total_s if total_s > 0 else 0.0}
-    return GenerationResult(list(prompt_ids), out, finish, text, timing)
+        logits = target.forward(torch.tensor([out[-1]]), cache).logits[-1]
+    return GenerationResult(list(prompt_ids), out, finish, stopper.final_text(out),
+                            timing(start, prefill_end, time.perf_counter(), len(out)))

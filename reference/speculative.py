@@ -29,11 +29,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from .errors import RequestError
 from .generate import GenerationResult, check_prompt, next_token
 from .proposer import Proposal, Proposer
 from .sampling import greedy_token, target_probs
 from .sampling_params import SamplingParams
+from .stopping import Stopper, timing
 from .target import ReferenceTarget
 from .verify import verify_greedy, verify_sampled_keyed
 
@@ -95,37 +95,17 @@ def speculative_generate(
     """Decode one request speculatively with ``num_steps`` (k) drafts per verify."""
     cfg = target.cfg
     check_prompt(prompt_ids, params, cfg.vocab_size, cfg.max_position_embeddings)
-    if params.stop and decode is None:
-        raise RequestError("stop strings need a tokenizer to decode the output")
-    stop_ids = set() if params.ignore_eos else set(stop_token_ids)
+    stopper = Stopper(params, stop_token_ids, decode)
     start = time.perf_counter()
     cache = target.new_cache()
     prompt = list(prompt_ids)
     out = target.forward(torch.tensor(prompt), cache)
     proposer.observe(prompt, 0, out, len(prompt))
     anchor, position = next_token(out.logits[-1], params, len(prompt)), len(prompt)
-    prefill_s = time.perf_counter() - start
-    output, steps, finish = [anchor], [], "length"
-    text, cut = "", False
-
-    def finished() -> bool:
-        nonlocal finish, text, cut, output
-        for i, t in enumerate(output):
-            if t in stop_ids:
-                output, finish = output[:i + 1], "stop"
-                return True
-        if params.stop:
-            text = decode(output)
-            hits = [text.find(s) for s in params.stop if s in text]
-            if hits:
-                text, finish, cut = text[:min(hits)], "stop", True
-                return True
-        if len(output) >= params.max_tokens:
-            output = output[:params.max_tokens]
-            return True
-        return False
-
-    while not finished():
+    prefill_end = time.perf_counter()
+    output, finish = stopper.check([anchor])
+    steps: list[StepRecord] = []
+    while finish is None:
         k = min(num_steps, params.max_tokens - len(output))  # never verify past the request's end
         proposal = proposer.propose(anchor, position, k, params)
         rows, num_accepted, emitted, cache = verify_step(target, cache, anchor, position, proposal, params)
@@ -133,11 +113,7 @@ def speculative_generate(
         steps.append(StepRecord(position, proposal.tokens.tolist(), proposal.cand_ids.tolist(),
                                 proposal.draft_probs.tolist(), [greedy_token(r) for r in rows.logits],
                                 num_accepted, emitted))
-        output += emitted
+        output, finish = stopper.check(output + emitted)
         anchor, position = emitted[-1], position + num_accepted + 1
-    total_s = time.perf_counter() - start
-    if decode is not None and not cut:
-        text = decode(output)
-    timing = {"prefill_s": prefill_s, "decode_s": total_s - prefill_s, "total_s": total_s,
-              "output_tokens_per_s": len(output) / total_s if total_s > 0 else 0.0}
-    return SpeculativeResult(prompt, output, finish, text, timing, steps)
+    return SpeculativeResult(prompt, output, finish, stopper.final_text(output),
+                             timing(start, prefill_end, time.perf_counter(), len(output)), steps)
