@@ -99,6 +99,13 @@ def _sample_json(index: int, seed: int, result) -> dict:
     return sample
 
 
+def _open_trace(path: str):
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as exc:
+        raise UserInputError(f"trace={path!r}: expected a writable file path ({exc.strerror})") from None
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -109,22 +116,26 @@ def _run_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     if args.n < 1:
         raise UserInputError(f"n={args.n}: expected an integer >= 1")
+    if args.chat and args.prompt is None:
+        raise UserInputError("--chat: expected --prompt text (it cannot wrap --prompt-ids)")
     runner = ReferenceRunner(args.model, speculative_algorithm=args.speculative_algorithm,
                              draft_model_path=args.speculative_draft_model_path,
                              num_steps=args.speculative_num_steps)
     if args.prompt is not None:
         prompt_ids = runner.encode(args.prompt, chat=args.chat)
     else:
-        if args.chat:
-            raise UserInputError("--chat: expected --prompt text (it cannot wrap --prompt-ids)")
         prompt_ids = args.prompt_ids
     seeds = [params.seed] if args.n == 1 else [derive_seed(params.seed, i) for i in range(args.n)]
-    results = [runner.generate(prompt_ids, replace(params, seed=seed)) for seed in seeds]
-    if args.trace:
-        with open(args.trace, "w") as trace:
+    trace = _open_trace(args.trace) if args.trace else None  # a bad path fails before, not after, generating
+    try:
+        results = [runner.generate(prompt_ids, replace(params, seed=seed)) for seed in seeds]
+        if trace is not None:
             for index, result in enumerate(results):
                 for step_index, step in enumerate(getattr(result, "steps", [])):
                     trace.write(json.dumps({"sample": index, "step": step_index, **step.to_json()}) + "\n")
+    finally:
+        if trace is not None:
+            trace.close()
     if args.json:
         samples = [_sample_json(i, seed, r) for i, (seed, r) in enumerate(zip(seeds, results))]
         print(json.dumps({"engine": args.engine, "speculative_algorithm": args.speculative_algorithm,

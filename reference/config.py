@@ -108,9 +108,12 @@ def read_config_json(model_path: str | Path) -> dict[str, Any]:
     if not config_file.is_file():
         raise ConfigError(f"model path {str(path)!r} holds no config.json")
     try:
-        return json.loads(config_file.read_text())
+        config = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{config_file}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
 def load_target_config(model_path: str | Path) -> TargetConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .errors import RequestError, expect
@@ -43,12 +44,12 @@ class SamplingParams:
             return isinstance(v, int) and not isinstance(v, bool)
 
         def is_num(v) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
         expect(is_int(self.max_tokens) and self.max_tokens >= 1, RequestError, "max_tokens", self.max_tokens,
                "an integer >= 1")
         expect(is_num(self.temperature) and self.temperature >= 0, RequestError, "temperature", self.temperature,
-               "a number >= 0 (0 is greedy)")
+               "a finite number >= 0 (0 is greedy)")
         expect(is_num(self.top_p) and 0 < self.top_p <= 1, RequestError, "top_p", self.top_p,
                "a number in (0, 1]")
         expect(is_int(self.top_k) and (self.top_k == TOP_K_OFF or self.top_k >= 1), RequestError, "top_k",

@@ -106,8 +106,10 @@ def speculative_generate(
     output, finish = stopper.check([anchor])
     steps: list[StepRecord] = []
     while finish is None:
-        k = min(num_steps, params.max_tokens - len(output))  # never verify past the request's end
-        proposal = proposer.propose(anchor, position, k, params)
+        # a step emits up to k + 1 tokens: draft no further than the request's end; with one
+        # token left the step verifies no drafts and emits the target's own (bonus) token
+        k = min(num_steps, params.max_tokens - len(output) - 1)
+        proposal = proposer.propose(anchor, position, k, params) if k > 0 else Proposal.deterministic([])
         rows, num_accepted, emitted, cache = verify_step(target, cache, anchor, position, proposal, params)
         proposer.observe([anchor] + proposal.tokens.tolist(), position, rows, num_accepted + 1)
         steps.append(StepRecord(position, proposal.tokens.tolist(), proposal.cand_ids.tolist(),

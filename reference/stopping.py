@@ -23,7 +23,8 @@ class Stopper:
 
     def __post_init__(self) -> None:
         if self.params.stop and self.decode is None:
-            raise RequestError("stop strings need a tokenizer to decode the output")
+            raise RequestError(f"stop={list(self.params.stop)!r}: expected no stop strings for a checkpoint "
+                               "without a tokenizer (they are matched on decoded text)")
         self._stop_ids = set() if self.params.ignore_eos else set(self.stop_token_ids)
         self.text: str | None = None  # set when a stop string cut the text
 
