@@ -1,0 +1,211 @@
+"""The DFlash 2 draft forward, batched over requests: twin of ``reference/draft.py`` and ``reference/conv.py``.
+
+Context side (after every target forward, over the N rows of many requests at once)::
+
+    c_p = RMSNorm_hidden_norm(W_fc F_p)                                   [N, C]
+    k_p = RoPE_p(RMSNorm_k_norm(W_K c_p)),  v_p = W_V c_p                 [L, N, Hkv, D]  (what the ring holds)
+
+Block side (``forward_blocks``, B requests at once, S = block_size rows each): rows i = 0..S-1 at
+s_b + i with tokens [t0_b, mask x (S-1)], embedded with the target's table; per layer::
+
+    u = RMSNorm_in(x);   u', delta = conv prepare(u)            taps over the block rows only
+    q, k, v of u' (per-head RMSNorm, RoPE at s_b + i)
+    attention over the ring window of request b (positions s_b-W+1 .. s_b-1, row i reading
+              those >= s_b+i-W+1) and all S block rows (non-causal)
+    x += conv finish(W_O a, delta)
+    u = RMSNorm_post(x); u', delta = prepare(u); x += finish(SwiGLU(u'), delta)
+
+then h = RMSNorm_norm(x) and logits = W_lm^target h for rows 1..S-1. Every RMSNorm of the draft is
+Qwen3's ``w * x / rms(x)`` (the weight as stored, not ``1 + w``), in fp32; RoPE is NeoX over the
+whole head, in fp32.
+
+Context K/V are batch invariant: a row's keys and values have the same bits whatever other rows
+share its call (a verify of 8 rows, a prefill chunk, a restore of 2047 rows), so a ring rebuilt
+from the dflash_window equals the live ring bitwise. ``batch_invariant_linear`` gets that from
+one fixed GEMM shape: every K_TILE_ROWS-row tile is its own matmul of the same shape. One matmul
+over all N rows does not: BLAS picks kernels (gemv, split-K) by N, seen on the CPU (MKL) and on
+an H200 (cuBLAS, where a strided-batched bmm over the tiles also varied with the tile count).
+
+The window attention is ``fast/kernels/ring_attention.ring_attention`` (Triton on CUDA, its torch
+twin elsewhere), reading each layer's ring ``RingPool.k[layer]``, ``RingPool.v[layer]`` in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflash2.reference.draft_config import DraftConfig
+
+from ..kernels.ring_attention import ring_attention
+from .norm import rms_norm
+from .rope import apply_rope, rope_cos_sin
+
+if TYPE_CHECKING:
+    from dflash2.fast.spec.ring_pool import RingPool
+
+K_TILE_ROWS = 256  # big enough that a restore reads the projection weight ~W/256 times, not ~W/64
+
+
+@dataclass(frozen=True)
+class DraftBlocks:
+    """One batched draft forward over B blocks of S rows."""
+
+    hidden: Tensor  # [B, S, C] after the final norm (row 0 included), in the draft dtype
+    logits: Tensor  # [B, S-1, V] fp32: rows 1..S-1 (slot i is logits[:, i-1])
+
+
+def batch_invariant_linear(x: Tensor, weight: Tensor, tile_rows: int = K_TILE_ROWS) -> Tensor:
+    """``x @ weight.T`` with each row's bits independent of the other rows  # x [N, C], weight [O, C] -> [N, O].
+
+    The rows are padded to whole tiles and each tile is one matmul [tile_rows, C] x [C, O]: the
+    same kernel for every tile of every call, and a GEMM's output row reads its own input row only.
+    """
+    n = x.shape[0]
+    tiles = -(-n // tile_rows)
+    if tiles == 0:
+        return x.new_zeros((0, weight.shape[0]))
+    padded = F.pad(x, (0, 0, 0, tiles * tile_rows - n))
+    return torch.cat([padded[i * tile_rows:(i + 1) * tile_rows] @ weight.T for i in range(tiles)])[:n]
+
+
+def grouped_dynamic_conv(x: Tensor, base: Tensor, delta: Tensor, group_size: int) -> Tensor:
+    """One conv side over each block: ``y_i = sum_tau (base[tau] + expand_G(delta_i[tau])) * x_{i-tau}``.
+
+    x: ``[B, S, C]``; base: ``[K, C]``; delta: ``[B, S, K, C/G]``. Taps never cross a block start.
+    """
+    rows = x.shape[1]
+    out = torch.zeros_like(x)
+    for tau in range(min(base.shape[0], rows)):
+        shifted = F.pad(x[:, :rows - tau], (0, 0, tau, 0))  # x_{i - tau}, zero where i < tau
+        kernel = base[tau] + delta[:, :, tau].repeat_interleave(group_size, dim=-1)  # [B, S, C]
+        out = out + kernel * shifted
+    return out
+
+
+class FastDraft:
+    """A DFlash 2 draft bound to its target's embedding table and LM head, on one device and dtype."""
+
+    def __init__(self, cfg: DraftConfig, draft_weights: Mapping[str, Tensor], target_embed: Tensor,
+                 target_lm_head: Tensor, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        expected = (cfg.vocab_size, cfg.hidden_size)
+        for name, t in (("target_embed", target_embed), ("target_lm_head", target_lm_head)):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} has shape {list(t.shape)}, expected {list(expected)} for this draft")
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.w = {name: t.to(device=self.device, dtype=dtype) for name, t in draft_weights.items()}
+        self.norms = {name: t.to(device=self.device, dtype=torch.float32)  # fp32 scales, applied as stored
+                      for name, t in draft_weights.items() if name.endswith("norm.weight")}
+        self.embed = target_embed.to(device=self.device, dtype=dtype)  # [V, C]
+        self.lm_head = target_lm_head.to(device=self.device, dtype=dtype)  # [V, C]
+        # the context K/V projection of every layer as one [L*2*Hkv*D, C] matrix (layer-major, k then v);
+        # the k_proj / v_proj the block rows use become views into it
+        layers = range(cfg.num_hidden_layers)
+        names = [f"layers.{layer}.self_attn.{kv}_proj.weight" for layer in layers for kv in "kv"]
+        self.context_kv_weight = torch.cat([self.w[name] for name in names])
+        for name, view in zip(names, self.context_kv_weight.split(cfg.num_key_value_heads * cfg.head_dim)):
+            self.w[name] = view
+        self.k_norms = torch.stack([self.norms[f"layers.{layer}.self_attn.k_norm.weight"] for layer in layers])
+
+    def _norm(self, x: Tensor, name: str) -> Tensor:
+        return rms_norm(x, self.norms[name], self.cfg.rms_norm_eps, self.dtype)
+
+    def _rope(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x ``[N, H, D]`` at positions ``[N]``, rotated in fp32, returned in the draft dtype."""
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        return apply_rope(x, cos, sin).to(self.dtype)
+
+    # -- context side --------------------------------------------------------------------------
+
+    def context_rows(self, features: Tensor) -> Tensor:
+        """c = RMSNorm_hidden_norm(W_fc F)  # features [N, m*C] (taps of target_layer_ids, in order) -> [N, C]."""
+        expected = self.cfg.num_taps * self.cfg.hidden_size
+        if features.dim() != 2 or features.shape[1] != expected:
+            raise ValueError(f"features {list(features.shape)}: expected [N, {expected}] (m*C, the taps of "
+                             f"target layers {list(self.cfg.target_layer_ids)} concatenated)")
+        return self._norm(features.to(self.dtype) @ self.w["fc.weight"].T, "hidden_norm.weight")
+
+    def context_kv(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Post-RoPE keys and values of context rows, batch invariant.
+
+        rows: ``[N, C]`` at absolute ``positions [N]``. Returns k, v, each ``[L, N, Hkv, D]``.
+        """
+        cfg = self.cfg
+        n, num_layers, hkv, d = rows.shape[0], cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        kv = batch_invariant_linear(rows.to(self.dtype), self.context_kv_weight).reshape(n, num_layers, 2, hkv, d)
+        k = rms_norm(kv[:, :, 0], self.k_norms[:, None, :], cfg.rms_norm_eps, torch.float32)  # [N, L, Hkv, D]
+        k = self._rope(k.reshape(n, num_layers * hkv, d), positions).reshape(n, num_layers, hkv, d)
+        return k.transpose(0, 1).contiguous(), kv[:, :, 1].transpose(0, 1).contiguous()
+
+    # -- the blocks ------------------------------------------------------------------------------
+
+    def _conv_prepare(self, u: Tensor, name: str) -> tuple[Tensor, Tensor]:
+        """Side 0 of conv ``name``: ``(u' [B, S, C], delta [B, S, 2, K, C/G])``."""
+        base, proj = self.w[f"{name}.base_kernel"], self.w[f"{name}.kernel_projection.weight"]
+        b, s, _ = u.shape
+        delta = (u @ proj.T).reshape(b, s, 2, self.cfg.conv_kernel_size, -1)
+        return grouped_dynamic_conv(u, base[0], delta[:, :, 0], self.cfg.conv_group_size), delta
+
+    def _conv_finish(self, o: Tensor, name: str, delta: Tensor) -> Tensor:
+        """Side 1 of conv ``name`` on the sublayer output, with prepare's delta."""
+        return grouped_dynamic_conv(o, self.w[f"{name}.base_kernel"][1], delta[:, :, 1], self.cfg.conv_group_size)
+
+    def _attention(self, layer: int, u: Tensor, positions: Tensor, ring_pool: RingPool, ring_slots: Tensor,
+                   anchor_positions: Tensor) -> Tensor:
+        """``W_O a`` of the attention sublayer for conv-prepared ``u [B, S, C]``; returns ``[B, S, C]``."""
+        cfg, w = self.cfg, self.w
+        p = f"layers.{layer}.self_attn."
+        b, s, _ = u.shape
+        h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        flat = positions.reshape(b * s)
+        q = self._rope(self._norm((u @ w[f"{p}q_proj.weight"].T).reshape(b * s, h, d), f"{p}q_norm.weight"), flat)
+        k = self._rope(self._norm((u @ w[f"{p}k_proj.weight"].T).reshape(b * s, hkv, d), f"{p}k_norm.weight"), flat)
+        v = (u @ w[f"{p}v_proj.weight"].T).reshape(b * s, hkv, d)
+        a = ring_attention(q, k, v, ring_pool.k[layer], ring_pool.v[layer], ring_slots, anchor_positions,
+                           cfg.sliding_window)  # [B*S, H, D]
+        return a.reshape(b, s, h * d) @ w[f"{p}o_proj.weight"].T
+
+    def _layer(self, layer: int, x: Tensor, positions: Tensor, ring_pool: RingPool, ring_slots: Tensor,
+               anchor_positions: Tensor) -> Tensor:
+        """One draft layer on the blocks' residual stream ``x [B, S, C]``."""
+        w, p = self.w, f"layers.{layer}."
+        u, delta = self._conv_prepare(self._norm(x, f"{p}input_layernorm.weight"), f"{p}attention_conv")
+        o = self._attention(layer, u, positions, ring_pool, ring_slots, anchor_positions)
+        x = x + self._conv_finish(o, f"{p}attention_conv", delta)
+        u, delta = self._conv_prepare(self._norm(x, f"{p}post_attention_layernorm.weight"), f"{p}mlp_conv")
+        m = (F.silu(u @ w[f"{p}mlp.gate_proj.weight"].T) * (u @ w[f"{p}mlp.up_proj.weight"].T)) \
+            @ w[f"{p}mlp.down_proj.weight"].T
+        return x + self._conv_finish(m, f"{p}mlp_conv", delta)
+
+    def forward_blocks(self, anchor_tokens: Tensor, anchor_positions: Tensor, ring_pool: RingPool,
+                       ring_slots: Tensor, layer_outputs: list[Tensor] | None = None) -> DraftBlocks:
+        """Draft B blocks at once, block b from anchor ``anchor_tokens[b]`` at ``anchor_positions[b]``.
+
+        anchor_tokens, anchor_positions, ring_slots: ``[B]`` long. Block b reads the ring of slot
+        ``ring_slots[b]`` at positions s_b-W+1 .. s_b-1 (those >= 0), which must hold the committed
+        context rows (``RingPool.check_readable`` audits that, with a host sync). The full S rows
+        always run, whatever k. ``layer_outputs``, if given, receives each layer's ``[B, S, C]``.
+        """
+        cfg = self.cfg
+        if not (anchor_tokens.dim() == 1 and anchor_tokens.shape == anchor_positions.shape == ring_slots.shape):
+            raise ValueError(f"anchor_tokens {list(anchor_tokens.shape)}, anchor_positions "
+                             f"{list(anchor_positions.shape)}, ring_slots {list(ring_slots.shape)}: expected [B] each")
+        if ring_pool.window != cfg.sliding_window:
+            raise ValueError(f"ring window {ring_pool.window} != the draft's sliding_window {cfg.sliding_window}")
+        offsets = torch.arange(cfg.block_size, device=self.device)
+        positions = anchor_positions[:, None] + offsets  # [B, S]
+        tokens = torch.where(offsets == 0, anchor_tokens[:, None], cfg.mask_token_id)  # [B, S]
+        x = self.embed[tokens]  # [B, S, C] (input_embedding_scale = 1)
+        for layer in range(cfg.num_hidden_layers):
+            x = self._layer(layer, x, positions, ring_pool, ring_slots, anchor_positions)
+            if layer_outputs is not None:
+                layer_outputs.append(x)
+        hidden = self._norm(x, "norm.weight")  # [B, S, C]
+        rows = hidden[:, 1:].reshape(-1, cfg.hidden_size)  # one 2-D GEMM (the 3-D slice ran as a slow bmm)
+        logits = (rows @ self.lm_head.T).float().reshape(hidden.shape[0], cfg.block_size - 1, -1)
+        return DraftBlocks(hidden=hidden, logits=logits)

@@ -1,0 +1,132 @@
+"""The Gated DeltaNet mixer over state slots, batched over sequences (twin of reference/gdn.py).
+
+For the normalised input rows x (one fused matmul gives c, z, b, a)::
+
+    c'     = silu(causal depthwise conv of c, continuing from the slot's last K-1 inputs)
+    q, k, v = split(c');  q = l2norm(q) / sqrt(Dk);  k = l2norm(k)
+    g      = -exp(A_log) * softplus(a + dt_bias);   beta = sigmoid(b)
+    o      = gated delta rule from the slot's recurrent state (reference/delta_rule.py)
+    y      = W_out gated_rms_norm(o, z)
+
+Each sequence starts from its slot (or from zeros: ``StepMeta.zero_state``). A prefill or decode
+step writes the final conv and recurrent states back to the slot. A verify step
+(``is_verify``) leaves the slots alone and fills the verify scratch instead: the recurrent state
+after every row and every row's conv input, from which ``pools.commit_verify`` installs the state
+after the last kept row.
+
+The conv and the recurrence are ops (:attr:`ModelOps.causal_conv1d`,
+:attr:`ModelOps.gated_delta_rule`); the torch forms below pad the rows to ``[B, Tq, ...]`` and
+loop the recurrence over time. Padded steps leave the state exactly unchanged (g = 0, beta = 0,
+k = 0), so the state after the loop is each sequence's own final state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflash2.reference.config import TargetConfig
+
+from .norm import gated_rms_norm
+from .params import Params
+from .pools import GDNSlots
+from .step import StepMeta
+
+L2NORM_EPS = 1e-6  # inside the sqrt, as the reference
+
+
+def l2norm(x: Tensor) -> Tensor:
+    """``x / sqrt(sum(x^2) + 1e-6)`` over the last axis, in fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+
+
+def causal_conv1d_torch(x: Tensor, conv_state: Tensor, weight: Tensor, meta: StepMeta) -> tuple[Tensor, Tensor]:
+    """``silu`` of the causal depthwise conv per sequence, continuing from ``conv_state``.
+
+    x: ``[N, Cd]`` conv inputs; conv_state: ``[B, Cd, K-1]`` each sequence's last K-1 inputs
+    (oldest first); weight: ``[Cd, K]``. Returns ``(y [N, Cd] in x's dtype, final state [B, Cd, K-1])``.
+    Computed in fp32.
+    """
+    kernel, steps = weight.shape[1], meta.max_query_len
+    window = torch.cat([conv_state.transpose(1, 2).float(), meta.pad(x).float()], dim=1)  # [B, K-1+Tq, Cd]
+    w = weight.float()
+    y = sum(w[:, j] * window[:, j:j + steps] for j in range(kernel))  # [B, Tq, Cd]
+    last = (meta.seq_lens[:, None] + torch.arange(kernel - 1, device=x.device))[:, :, None]  # [B, K-1, 1]
+    final = window.gather(1, last.expand(-1, -1, window.shape[2])).transpose(1, 2)  # [B, Cd, K-1]
+    return meta.unpad(F.silu(y)).to(x.dtype), final.to(conv_state.dtype)
+
+
+def gated_delta_rule_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, meta: StepMeta,
+                           row_states: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The gated delta rule per sequence, a loop over time (reference/delta_rule.py), in fp32.
+
+    q, k: ``[N, Hk, Dk]`` (q already scaled; key head i serves value heads i*r .. i*r+r-1);
+    v: ``[N, Hv, Dv]``; g, beta: ``[N, Hv]``; state: fp32 ``[B, Hv, Dk, Dv]`` the starting states.
+    ``row_states`` (verify): fp32 ``[>= B, >= Tq, Hv, Dk, Dv]``, receives the state after each row.
+    Returns ``(o [N, Hv, Dv] fp32, final states [B, Hv, Dk, Dv] fp32)``.
+    """
+    ratio = v.shape[1] // q.shape[1]
+    q, k = (meta.pad(t.float().repeat_interleave(ratio, dim=1)) for t in (q, k))  # [B, Tq, Hv, Dk]
+    v, g, beta = (meta.pad(t.float()) for t in (v, g, beta))  # [B, Tq, Hv, Dv], [B, Tq, Hv] x2
+    s = state.float().clone()  # [B, Hv, Dk, Dv]
+    outputs = []
+    for t in range(meta.max_query_len):
+        s = torch.exp(g[:, t])[..., None, None] * s  # S'_t
+        predicted = torch.einsum("bhkv,bhk->bhv", s, k[:, t])  # S'_t^T k_t        [B, Hv, Dv]
+        u = beta[:, t, :, None] * (v[:, t] - predicted)  # u_t                       [B, Hv, Dv]
+        s = s + k[:, t, :, :, None] * u[:, :, None, :]  # S_t = S'_t + k_t u_t^T     [B, Hv, Dk, Dv]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))  # o_t = S_t^T q_t
+        if row_states is not None:
+            row_states[:meta.num_seqs, t] = s
+    return meta.unpad(torch.stack(outputs, dim=1)), s
+
+
+class FastGDN:
+    """One GDN mixer, reading ``{prefix}linear_attn.*``."""
+
+    def __init__(self, cfg: TargetConfig, params: Params, prefix: str, causal_conv1d, gated_delta_rule):
+        p = f"{prefix}linear_attn."
+        self.cfg = cfg
+        self.dtype = params.dtype
+        self.causal_conv1d, self.gated_delta_rule = causal_conv1d, gated_delta_rule
+        # fused input projection: conv inputs (q, k, v), z, b, a
+        self.w_in = params.fused(f"{p}in_proj_qkv.weight", f"{p}in_proj_z.weight", f"{p}in_proj_b.weight",
+                                 f"{p}in_proj_a.weight")  # [Cd + Hv Dv + 2 Hv, C]
+        self.conv_weight = params.get(f"{p}conv1d.weight")[:, 0, :].contiguous()  # [Cd, K]
+        self.neg_decay = -torch.exp(params.get(f"{p}A_log", torch.float32))  # [Hv]
+        self.dt_bias = params.get(f"{p}dt_bias", torch.float32)  # [Hv]
+        self.norm_weight = params.get(f"{p}norm.weight", torch.float32)  # [Dv]
+        self.w_out = params.get(f"{p}out_proj.weight")  # [C, Hv Dv]
+
+    def forward(self, x: Tensor, meta: StepMeta, slots: GDNSlots) -> Tensor:
+        """x: ``[N, C]`` after input_layernorm. Returns ``[N, C]``; updates the slots or the verify scratch."""
+        cfg = self.cfg
+        rows = x.shape[0]
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv_in, z, b, a = torch.split(x @ self.w_in.T, [cfg.gdn_conv_dim, hv * dv, hv, hv], dim=-1)
+
+        if meta.is_verify:
+            scratch_rows = slots.verify_recurrent.shape[1]
+            if meta.num_seqs > slots.verify_recurrent.shape[0] or meta.max_query_len > scratch_rows:
+                raise ValueError(f"verify batch of {meta.num_seqs} sequences x {meta.max_query_len} rows exceeds the "
+                                 f"scratch ({slots.verify_recurrent.shape[0]} x {scratch_rows})")
+            slots.verify_conv_inputs[meta.seq_index, meta.row_in_seq] = conv_in.to(slots.verify_conv_inputs.dtype)
+        conv_state = slots.read_conv(meta.state_index, meta.zero_state)
+        conv_out, conv_state = self.causal_conv1d(conv_in, conv_state, self.conv_weight, meta)  # [N, Cd]
+        q, k, v = torch.split(conv_out, [hk * dk, hk * dk, hv * dv], dim=-1)
+        q = l2norm(q.reshape(rows, hk, dk)) / dk ** 0.5  # [N, Hk, Dk] fp32
+        k = l2norm(k.reshape(rows, hk, dk))  # [N, Hk, Dk] fp32
+        g = self.neg_decay * F.softplus(a.float() + self.dt_bias)  # [N, Hv]
+        beta = torch.sigmoid(b.float())  # [N, Hv]
+        recurrent_state = slots.read_recurrent(meta.state_index, meta.zero_state)
+        row_states = slots.verify_recurrent if meta.is_verify else None
+        o, recurrent_state = self.gated_delta_rule(q, k, v.reshape(rows, hv, dv), g, beta, recurrent_state, meta,
+                                                   row_states)  # [N, Hv, Dv]
+        if not meta.is_verify:
+            slots.write(meta.state_index, conv_state, recurrent_state)
+
+        o = gated_rms_norm(o, z.reshape(rows, hv, dv), self.norm_weight, cfg.rms_norm_eps, self.dtype)
+        return o.reshape(rows, hv * dv) @ self.w_out.T  # [N, C]

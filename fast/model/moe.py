@@ -1,0 +1,67 @@
+"""The sparse MoE with its gated shared expert (twin of reference/moe.py), batched over all rows.
+
+    probs = softmax(W_router x) in fp32;  top-k experts, weights renormalised over the k
+    y     = sum_{e in top} w_e W_down[e](silu(W_gate[e] x) * W_up[e] x) + sigmoid(w_sg . x) swiglu_shared(x)
+
+The routed experts are an op (:attr:`ModelOps.moe_experts`). Its torch form groups the (row,
+choice) pairs by expert and runs one matmul pair per expert that has rows (a loop over experts,
+never over requests); it reads the per-expert counts on the host, one device sync per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dflash2.reference.config import TargetConfig
+
+from .mlp import swiglu
+from .params import Params
+
+
+def moe_experts_torch(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """Weighted sum of each row's chosen experts.
+
+    x: ``[N, C]``; expert_ids: ``[N, k]`` long; weights: fp32 ``[N, k]``; gate_up: ``[E, 2I, C]``
+    (gate rows first); down: ``[E, C, I]``. Returns fp32 ``[N, C]``, the experts added in
+    ascending expert order per row.
+    """
+    num_experts, top_k = gate_up.shape[0], expert_ids.shape[1]
+    flat = expert_ids.reshape(-1)  # [N k]
+    order = torch.argsort(flat, stable=True)  # (row, choice) pairs grouped by expert
+    rows = order // top_k
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # host sync: the group sizes
+    xs = x[rows]  # [N k, C]
+    outs = torch.empty(xs.shape, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            outs[start:start + count] = swiglu(xs[start:start + count], gate_up[e], down[e]).float()
+            start += count
+    weighted = outs * weights.reshape(-1)[order, None]  # [N k, C]
+    return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, rows, weighted)
+
+
+class FastMoE:
+    """The MoE sublayer, reading ``{prefix}mlp.*``."""
+
+    def __init__(self, cfg: TargetConfig, params: Params, prefix: str, moe_experts):
+        p = f"{prefix}mlp."
+        self.top_k = cfg.num_experts_per_tok
+        self.moe_experts = moe_experts
+        self.w_router = params.get(f"{p}gate.weight", torch.float32)  # [E, C], routing in fp32
+        self.gate_up = params.get(f"{p}experts.gate_up_proj")  # [E, 2I, C]
+        self.down = params.get(f"{p}experts.down_proj")  # [E, C, I]
+        self.shared_gate_up = params.fused(f"{p}shared_expert.gate_proj.weight",
+                                           f"{p}shared_expert.up_proj.weight")  # [2Is, C]
+        self.shared_down = params.get(f"{p}shared_expert.down_proj.weight")  # [C, Is]
+        self.shared_expert_gate = params.get(f"{p}shared_expert_gate.weight")  # [1, C]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: ``[N, C]`` after post_attention_layernorm. Returns ``[N, C]`` in x's dtype."""
+        probs = torch.softmax(x.float() @ self.w_router.T, dim=-1)  # [N, E]
+        top_probs, expert_ids = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        weights = top_probs / top_probs.sum(dim=-1, keepdim=True)
+        routed = self.moe_experts(x, expert_ids, weights, self.gate_up, self.down)  # [N, C] fp32
+        shared = torch.sigmoid(x @ self.shared_expert_gate.T) * swiglu(x, self.shared_gate_up, self.shared_down)
+        return (routed + shared.float()).to(x.dtype)

@@ -1,0 +1,34 @@
+"""The hook for GPU kernels: every compute op the fast models call that a kernel may replace.
+
+The models never call these functions directly; they call the fields of the :class:`ModelOps`
+they were built with. :data:`TORCH_OPS` holds the plain torch forms (CPU and CUDA, the forms the
+conformance tests hold to the reference). ``fast/kernels/`` provides a ``ModelOps`` with Triton
+kernels of the same signatures (token-major rows at the boundary, :class:`StepMeta` for the
+sequence layout), e.g. ``replace(TORCH_OPS, gated_delta_rule=triton_gated_delta_rule)``.
+
+- ``paged_attention(q [N, H, D], key_cache [S, Hkv, D], value_cache [S, Hkv, D], meta) -> [N, H, D]``
+- ``causal_conv1d(x [N, Cd], conv_state [B, Cd, K-1], weight [Cd, K], meta) -> (silu(y) [N, Cd], state [B, Cd, K-1])``
+- ``gated_delta_rule(q [N, Hk, Dk], k [N, Hk, Dk], v [N, Hv, Dv], g [N, Hv], beta [N, Hv],
+  state [B, Hv, Dk, Dv], meta, row_states [B', R, Hv, Dk, Dv] | None) -> (o [N, Hv, Dv], state [B, Hv, Dk, Dv])``
+- ``moe_experts(x [N, C], expert_ids [N, k], weights [N, k], gate_up [E, 2I, C], down [E, C, I]) -> [N, C] fp32``
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .attention import paged_attention_torch
+from .gdn import causal_conv1d_torch, gated_delta_rule_torch
+from .moe import moe_experts_torch
+
+
+@dataclass(frozen=True)
+class ModelOps:
+    paged_attention: Callable = paged_attention_torch
+    causal_conv1d: Callable = causal_conv1d_torch
+    gated_delta_rule: Callable = gated_delta_rule_torch
+    moe_experts: Callable = moe_experts_torch
+
+
+TORCH_OPS = ModelOps()

@@ -1,0 +1,53 @@
+"""Canonical checkpoint tensors (reference/weights.py names) to device tensors for the fast models.
+
+Every tensor is checked against the canonical shape table before use, so a fast model refuses a
+checkpoint exactly where the reference would (a :class:`CheckpointError` naming the tensor).
+Projections that read the same input are fused into one matrix by the modules (``cat`` on rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from dflash2.reference.config import TargetConfig
+from dflash2.reference.errors import CheckpointError
+from dflash2.reference.weights import expected_target_shapes
+
+
+class Params:
+    """Shape-checked access to canonical tensors, converted to the model's dtype and device."""
+
+    def __init__(self, cfg: TargetConfig, weights: Mapping[str, Tensor], dtype: torch.dtype,
+                 device: torch.device | str):
+        self.cfg = cfg
+        self.weights = weights
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.shapes = expected_target_shapes(cfg)
+        self._converted: dict[tuple[int, torch.dtype], Tensor] = {}  # tied tensors are converted once
+
+    def raw(self, name: str) -> Tensor:
+        if name not in self.shapes:
+            raise KeyError(f"{name!r} is not a canonical tensor of this target")
+        shape = self.shapes[name]
+        if name not in self.weights:
+            raise CheckpointError(f"tensor {name!r} is missing: expected a tensor of shape {list(shape)}")
+        tensor = self.weights[name]
+        if tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {list(tensor.shape)}: expected {list(shape)}")
+        return tensor
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
+        """The tensor in ``dtype`` (default: the model dtype) on the model's device."""
+        tensor, dtype = self.raw(name), dtype or self.dtype
+        key = (id(tensor), dtype)
+        if key not in self._converted:
+            self._converted[key] = tensor.detach().to(device=self.device, dtype=dtype).contiguous()
+        return self._converted[key]
+
+    def fused(self, *names: str) -> Tensor:
+        """Row-wise concatenation of projections that read the same input, in the model dtype."""
+        return torch.cat([self.raw(n).detach().to(device=self.device, dtype=self.dtype) for n in names]).contiguous()

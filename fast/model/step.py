@@ -1,0 +1,85 @@
+"""Per-step metadata, computed once per forward from a :class:`ForwardBatch` and shared by every layer.
+
+Rows stay token-major ``[N, ...]`` at every layer boundary. The torch ops regroup them privately
+into a padded per-sequence layout ``[B, Tq, ...]`` (Tq = ``max_query_len``): row n sits at
+``[seq_index[n], row_in_seq[n]]``. Each sequence's K/V context is gathered through its block table
+into ``[B, Tctx]`` flat slots with ``Tctx = max_pages * page_size`` (a static width: no device
+sync), ``kv_valid`` marking the slots below ``context_lens``. Key t of a sequence sits at position
+t, so a row at position p sees keys ``t <= p``.
+
+Everything here is computed without a device sync, except ``max_query_len`` when the batch does
+not carry it. The batch's tensors live on the pools' device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .batch import ForwardBatch
+from .pools import CachePools, zero_state_mask
+from .rope import rope_cos_sin
+
+
+@dataclass(frozen=True)
+class StepMeta:
+    num_seqs: int  # B
+    max_query_len: int  # Tq
+    is_verify: bool
+    cu_seqlens: Tensor  # [B+1] long
+    seq_lens: Tensor  # [B] long
+    seq_index: Tensor  # [N] long: the sequence of each row
+    row_in_seq: Tensor  # [N] long: the row's index within its sequence in this step
+    positions: Tensor  # [N] long
+    query_positions: Tensor  # [B, Tq] long: row positions per sequence, -1 past its rows
+    zero_state: Tensor  # [B] bool: starts from the zero GDN state
+    state_index: Tensor  # [B] long: GDN slot read and written (trash slot for padding sequences)
+    kv_write_index: Tensor  # [N] long: flat K/V row written (trash row for padding rows)
+    kv_gather: Tensor  # [B, Tctx] long: flat K/V slot of context position t
+    kv_valid: Tensor  # [B, Tctx] bool: t < context_lens[b]
+    rope_cos: Tensor  # [N, rd/2] fp32
+    rope_sin: Tensor  # [N, rd/2] fp32
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, pools: CachePools) -> StepMeta:
+        cfg, device = pools.cfg, pools.device
+        num_rows, num_seqs = batch.token_ids.shape[0], batch.num_seqs
+        cu_seqlens = batch.cu_seqlens.long()
+        seq_lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        max_query_len = batch.max_query_len
+        if max_query_len is None:
+            max_query_len = int(seq_lens.max()) if num_seqs else 0
+        rows = torch.arange(num_rows, device=device)
+        seq_index = torch.searchsorted(cu_seqlens[1:], rows, right=True)  # [N]
+        row_in_seq = rows - cu_seqlens[seq_index]  # [N]
+        positions = batch.positions.long()
+        query_positions = torch.full((num_seqs, max_query_len), -1, dtype=torch.long, device=device)
+        query_positions[seq_index, row_in_seq] = positions
+
+        page_size = pools.page_size
+        block_tables = batch.block_tables.long()  # [B, max_pages]
+        context = torch.arange(block_tables.shape[1] * page_size, device=device)  # [Tctx]
+        pages = block_tables[:, context // page_size]  # [B, Tctx]
+        kv_valid = (context[None, :] < batch.context_lens[:, None]) & (pages >= 0)
+        kv_gather = torch.where(kv_valid, pages * page_size + context % page_size, pools.num_kv_slots)
+
+        rope_cos, rope_sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
+        return cls(
+            num_seqs=num_seqs, max_query_len=max_query_len, is_verify=batch.is_verify, cu_seqlens=cu_seqlens,
+            seq_lens=seq_lens, seq_index=seq_index, row_in_seq=row_in_seq, positions=positions,
+            query_positions=query_positions, zero_state=zero_state_mask(batch),
+            state_index=pools.state_index(batch.state_slots),
+            kv_write_index=pools.kv_write_index(batch.kv_slot_mapping), kv_gather=kv_gather, kv_valid=kv_valid,
+            rope_cos=rope_cos, rope_sin=rope_sin)
+
+    def pad(self, x: Tensor) -> Tensor:
+        """Rows ``[N, ...]`` to the padded per-sequence layout ``[B, Tq, ...]`` (zeros past each sequence)."""
+        out = x.new_zeros((self.num_seqs, self.max_query_len, *x.shape[1:]))
+        out[self.seq_index, self.row_in_seq] = x
+        return out
+
+    def unpad(self, x: Tensor) -> Tensor:
+        """The padded layout ``[B, Tq, ...]`` back to rows ``[N, ...]``."""
+        return x[self.seq_index, self.row_in_seq]

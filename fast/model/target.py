@@ -1,0 +1,74 @@
+"""The batched Qwen3.5 hybrid target (dense or MoE) over the cache pools (twin of reference/target.py).
+
+One :meth:`FastTarget.forward` runs one engine step: the rows of B sequences, token-major
+``[N]``, through every layer::
+
+    x^0 = E[t];  x^{l+1} = layer_l(x^l);  h = rmsnorm_final(x^L);  logits = W_lm h[logits_rows]
+
+Full-attention layers write each row's K/V into its paged slot and attend over the sequence's
+context; GDN layers continue each sequence from its state slot (a verify step captures per-row
+states instead, see fast/model/pools.py). ``taps`` are the residual rows after the layers in
+``tap_layers``, concatenated in that order (the DFlash draft's context features).
+
+Compute runs in ``dtype`` (residual stream, matmuls, caches); norms, RoPE, softmax, the router,
+the GDN conv and recurrence run in fp32; logits come out fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dflash2.reference.config import TargetConfig
+
+from .batch import ForwardBatch
+from .layer import FastDecoderLayer
+from .norm import rms_norm, zero_centred_scale
+from .ops import TORCH_OPS, ModelOps
+from .params import Params
+from .pools import CachePools
+from .step import StepMeta
+
+
+@dataclass(frozen=True)
+class FastOutput:
+    logits: Tensor  # [M, V] fp32, for batch.logits_rows
+    hidden: Tensor  # [N, C] after the final norm (what the LM head and the MTP head read)
+    taps: Tensor  # [N, len(tap_layers) * C] residual after each tapped layer, in tap order
+
+
+class FastTarget:
+    """The fast target, built from canonical tensors (``dflash2.reference.checkpoint.load_target``)."""
+
+    def __init__(self, cfg: TargetConfig, weights: Mapping[str, Tensor], dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", tap_layers: tuple[int, ...] = (), ops: ModelOps = TORCH_OPS):
+        for layer in tap_layers:
+            if not 0 <= layer < cfg.num_hidden_layers:
+                raise ValueError(f"tap layer {layer}: expected a layer index in [0, {cfg.num_hidden_layers})")
+        params = Params(cfg, weights, dtype, device)
+        self.cfg, self.dtype, self.device = cfg, dtype, params.device
+        self.tap_layers = tuple(tap_layers)
+        self.embed = params.get("embed_tokens.weight")  # [V, C]
+        self.lm_head = params.get("lm_head.weight")  # [V, C] (the embedding itself when tied)
+        self.final_scale = zero_centred_scale(params.get("norm.weight", torch.float32))  # [C]
+        self.layers = [FastDecoderLayer(cfg, params, f"layers.{i}.", kind, ops)
+                       for i, kind in enumerate(cfg.layer_types)]
+
+    def forward(self, batch: ForwardBatch, pools: CachePools) -> FastOutput:
+        """One step over ``batch`` (tensors on the model's device); updates ``pools`` in place."""
+        meta = StepMeta.build(batch, pools)
+        hidden_size = self.cfg.hidden_size
+        x = self.embed[batch.token_ids]  # [N, C]
+        taps = x.new_empty(x.shape[0], len(self.tap_layers) * hidden_size)
+        for i, layer in enumerate(self.layers):
+            state = pools.attention[i] if layer.layer_type == "full_attention" else pools.gdn[i]
+            x = layer.forward(x, meta, state)
+            for j, tapped in enumerate(self.tap_layers):
+                if tapped == i:
+                    taps[:, j * hidden_size:(j + 1) * hidden_size] = x
+        hidden = rms_norm(x, self.final_scale, self.cfg.rms_norm_eps, self.dtype)  # [N, C]
+        logits = (hidden[batch.logits_rows] @ self.lm_head.T).float()  # [M, V]
+        return FastOutput(logits=logits, hidden=hidden, taps=taps)
