@@ -49,7 +49,7 @@ from .rope import apply_rope, rope_cos_sin
 if TYPE_CHECKING:
     from dflash2.fast.spec.ring_pool import RingPool
 
-K_TILE_ROWS = 256  # big enough that a restore reads the projection weight ~W/256 times, not ~W/64
+K_TILE_ROWS = 256  # rows per fixed-shape GEMM; each tile reads the whole projection weight once
 
 
 @dataclass(frozen=True)
