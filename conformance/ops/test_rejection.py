@@ -1,0 +1,154 @@
+"""fast/kernels/rejection.py vs reference/verify.py: num_accepted and emitted tokens EXACT (away from
+acceptance-test and CDF near-ties), over greedy and sampled requests, untrusted q rows (NaN, inf,
+negative, zero total, draft outside the candidates), one-hot q, wrong totals, odd V and K, k = 1..7."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from ops_helpers import pick
+
+from dflash2.fast.kernels import rejection
+from dflash2.fast.kernels.rejection import EMPTY, verify_torch, verify_triton
+from dflash2.fast.kernels.sampler import SamplingTensors
+from dflash2.reference.rng import Purpose, uniform
+from dflash2.reference.sampling import target_probs
+from dflash2.reference.sampling_params import SamplingParams
+from dflash2.reference.verify import draft_row_on_vocab, residual_probs, verify_greedy, verify_sampled_keyed
+
+NEAR_TIE = 1e-5
+BAD_ROWS = ("nan", "inf", "negative", "zero", "outside", "one_hot", "total_x3", "total_half")
+
+
+@dataclass
+class Case:
+    params: list[SamplingParams]
+    logits: torch.Tensor  # [B, k+1, V]
+    drafts: torch.Tensor  # [B, k]
+    cand_ids: torch.Tensor  # [B, k, K]
+    draft_probs: torch.Tensor  # [B, k, K]
+    anchors: torch.Tensor  # [B]
+
+
+def make_case(batch: int, k: int, ksel: int, vocab: int, seed: int) -> Case:
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    params = [SamplingParams(temperature=rng.choice([0.0, 0.6, 1.0, 1.0, 1.4]), top_k=rng.choice([-1, -1, 1, 4, 9]),
+                             top_p=rng.choice([1.0, 1.0, 0.9, 0.6]), seed=rng.getrandbits(64)) for _ in range(batch)]
+    logits = torch.randn(batch, k + 1, vocab, generator=gen) * 2
+    # the draft's view: the target's logits plus noise, so that many drafts are accepted
+    noisy = logits[:, :k] + 0.7 * torch.randn(batch, k, vocab, generator=gen)
+    cand_ids = torch.sort(noisy, dim=-1, descending=True, stable=True).indices[..., :ksel]
+    draft_probs = torch.softmax(noisy.gather(-1, cand_ids), dim=-1)
+    picks = torch.multinomial(draft_probs.reshape(-1, ksel), 1, generator=gen).reshape(batch, k)
+    drafts = cand_ids.gather(-1, picks[..., None])[..., 0]
+    for b, p in enumerate(params):
+        if p.greedy:  # a greedy request: its argmax prefix, broken at a random slot
+            drafts[b] = logits[b, :k].argmax(dim=-1)
+            cut = rng.randrange(k + 1)
+            if cut < k:
+                drafts[b, cut] = (drafts[b, cut] + 1) % vocab
+            continue
+        slot = rng.randrange(k)
+        kind = BAD_ROWS[b % len(BAD_ROWS)] if b % 3 == 0 else None
+        row = draft_probs[b, slot]
+        if kind == "nan":
+            row[rng.randrange(ksel)] = float("nan")
+        elif kind == "inf":
+            row[rng.randrange(ksel)] = float("inf")
+        elif kind == "negative":
+            row[rng.randrange(ksel)] = -0.25
+        elif kind == "zero":
+            row.zero_()
+        elif kind == "outside":
+            drafts[b, slot] = next(t for t in range(vocab) if t not in cand_ids[b, slot].tolist())
+        elif kind == "one_hot":
+            row.zero_()
+            row[picks[b, slot]] = 1.0
+        elif kind == "total_x3":
+            row.mul_(3.0)
+        elif kind == "total_half":
+            row.mul_(0.5)
+    anchors = torch.tensor([rng.choice([0, rng.randrange(10_000), 2**32 - 9]) for _ in range(batch)])
+    return Case(params, logits, drafts, cand_ids, draft_probs, anchors)
+
+
+def reference_result(case: Case, b: int) -> tuple[int, list[int], float]:
+    """(num_accepted, emitted, the smallest relative margin of a decision the result depended on)."""
+    p = case.params[b]
+    if p.greedy:
+        r = verify_greedy(case.drafts[b], case.logits[b])
+        return r.num_accepted, r.emitted, 1.0
+    probs = torch.stack([target_probs(row, p) for row in case.logits[b]])
+    r = verify_sampled_keyed(case.drafts[b], case.cand_ids[b], case.draft_probs[b], probs, p.seed, int(case.anchors[b]))
+    vocab, margin, s = probs.shape[-1], 1.0, int(case.anchors[b])
+    weights, u = probs[-1].double(), uniform(p.seed, s, Purpose.BONUS)
+    for i in range(min(r.num_accepted + 1, case.drafts.shape[1])):
+        y = int(case.drafts[b, i])
+        q = draft_row_on_vocab(case.cand_ids[b, i], case.draft_probs[b, i], y, vocab)
+        pv = probs[i].double()
+        if q is None:
+            weights, u = pv, uniform(p.seed, s, Purpose.RESIDUAL)
+            break
+        lhs, rhs = uniform(p.seed, s, Purpose.ACCEPT, i + 1) * float(q[y]), float(pv[y])
+        margin = min(margin, abs(lhs - rhs) / max(lhs, rhs))
+        if i == r.num_accepted:
+            weights, u = residual_probs(pv, q), uniform(p.seed, s, Purpose.RESIDUAL)
+    cdf = torch.cumsum(weights, dim=0)
+    margin = min(margin, float((cdf - u * cdf[-1]).abs().min() / cdf[-1]))
+    return r.num_accepted, r.emitted, margin
+
+
+def check_verify(fn, case: Case, device: str) -> int:
+    """Assert EXACT agreement on every request away from near-ties; return how many were checked."""
+    k = case.drafts.shape[1]
+    num_accepted, emitted = fn(case.logits.to(device), SamplingTensors.from_params(case.params, device),
+                               case.drafts.to(device), case.cand_ids.to(device), case.draft_probs.to(device),
+                               case.anchors.to(device))
+    num_accepted, emitted = num_accepted.cpu(), emitted.cpu()
+    checked = 0
+    for b in range(len(case.params)):
+        ref_accepted, ref_emitted, margin = reference_result(case, b)
+        if margin < NEAR_TIE:
+            continue
+        checked += 1
+        padded = ref_emitted + [EMPTY] * (k + 1 - len(ref_emitted))
+        assert (int(num_accepted[b]), emitted[b].tolist()) == (ref_accepted, padded), \
+            f"request {b} ({case.params[b]}): fast {int(num_accepted[b])} {emitted[b].tolist()}, " \
+            f"reference {ref_accepted} {padded}"
+    return checked
+
+
+@pytest.mark.parametrize("k,ksel,vocab", [(1, 1, 29), (2, 3, 61), (3, 5, 29), (4, 2, 47), (5, 4, 61), (6, 6, 31),
+                                          (7, 7, 33)])
+def test_verify_matches_reference(impl_device, k, ksel, vocab):
+    impl, device = impl_device
+    # the interpreter runs each Triton program in Python: fewer requests there
+    batch = 12 if (impl, device) == ("triton", "cpu") else 24
+    case = make_case(batch=batch, k=k, ksel=ksel, vocab=vocab, seed=100 * k + ksel)
+    checked = check_verify(pick(impl, verify_torch, verify_triton), case, device)
+    assert checked >= len(case.params) - 2
+
+
+def test_cases_cover_acceptance_and_every_row_kind():
+    """The generated cases reach full acceptance, partial acceptance and rejection at slot 1."""
+    outcomes = set()
+    for k, ksel, vocab in [(3, 5, 29), (7, 7, 33)]:
+        case = make_case(batch=24, k=k, ksel=ksel, vocab=vocab, seed=100 * k + ksel)
+        for b in range(24):
+            a = reference_result(case, b)[0]
+            outcomes.add("all" if a == k else "none" if a == 0 else "some")
+    assert outcomes == {"all", "none", "some"}
+
+
+def test_planted_bug_off_by_one_accept_slot_is_caught(monkeypatch):
+    keyed = rejection.keyed_uniform_torch
+
+    def shifted(seeds, positions, purpose, slots=0):
+        return keyed(seeds, positions, purpose, slots + 1 if purpose == int(Purpose.ACCEPT) else slots)
+
+    monkeypatch.setattr(rejection, "keyed_uniform_torch", shifted)
+    with pytest.raises(AssertionError, match="request"):
+        check_verify(verify_torch, make_case(batch=24, k=5, ksel=4, vocab=61, seed=504), "cpu")
