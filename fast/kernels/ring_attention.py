@@ -151,15 +151,15 @@ def _ring_attention_kernel(q_ptr, bk_ptr, bv_ptr, rk_ptr, rv_ptr, ring_slot_ptr,
             readable = (t < WINDOW - 1) & (pos >= 0)
             slot = tl.where(readable, pos % CAPACITY, 0)
             ring_offs = ring * stride_ring_slot + slot[:, None] * stride_ring_row + kv * D + d[None, :]
-            k = tl.load(rk_ptr + ring_offs, mask=readable[:, None] & in_d[None, :], other=0.0)
-            v = tl.load(rv_ptr + ring_offs, mask=readable[:, None] & in_d[None, :], other=0.0)
+            ctx_k = tl.load(rk_ptr + ring_offs, mask=readable[:, None] & in_d[None, :], other=0.0)
+            ctx_v = tl.load(rv_ptr + ring_offs, mask=readable[:, None] & in_d[None, :], other=0.0)
             if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+                ctx_scores = tl.dot(q, tl.trans(ctx_k), input_precision="ieee") * scale
             else:
-                scores = tl.dot(q, tl.trans(k)) * scale
+                ctx_scores = tl.dot(q, tl.trans(ctx_k)) * scale
             seen = readable[None, :] & (t[None, :] >= row_i[:, None])
-            scores = tl.where(seen, scores, -float("inf"))
-            acc, m_i, l_i = _online_update(acc, m_i, l_i, scores, v, IEEE)
+            ctx_scores = tl.where(seen, ctx_scores, -float("inf"))
+            acc, m_i, l_i = _online_update(acc, m_i, l_i, ctx_scores, ctx_v, IEEE)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * (HKV * GROUP * D) + head[:, None] * D + d[None, :],
