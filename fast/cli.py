@@ -1,6 +1,7 @@
 """The ``ft`` command line.
 
-``ft generate``  decode one prompt (``--engine reference`` runs the fp32 executable spec);
+``ft generate``  decode one prompt on the fast engine (``--engine reference`` runs the fp32
+                 executable spec instead; the flags, ``--json`` and ``--trace`` are the same);
 ``ft make-tiny`` write a tiny random checkpoint in real HF format (tests, demos).
 
 User errors (bad paths, configs, checkpoints, sampling parameters) print one line to stderr and
@@ -19,7 +20,9 @@ from typing import Sequence
 from dflash2.reference.errors import UserInputError
 from dflash2.reference.sampling_params import SamplingParams
 
-ENGINES = ("reference",)
+from .engine.config import add_engine_args
+
+ENGINES = ("fast", "reference")
 ALGORITHMS = ("none", "mtp", "dflash")
 
 
@@ -37,7 +40,7 @@ def _prompt_ids(text: str) -> list[int]:
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="decode one prompt")
     p.add_argument("--model", required=True, help="target checkpoint folder (HF format)")
-    p.add_argument("--engine", choices=ENGINES, default="reference",
+    p.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
                    help="which implementation runs the model (default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
@@ -57,6 +60,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-num-steps", type=int, default=None,
                    help="drafts per verify step k (default: block_size - 1 for dflash, 3 for mtp)")
     p.add_argument("--trace", default=None, help="write one JSON line per verify step to this file")
+    add_engine_args(p.add_argument_group("fast engine (EngineConfig)"))
     p.set_defaults(func=_run_generate)
 
 
@@ -89,12 +93,12 @@ def _run_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sample_json(index: int, seed: int, result) -> dict:
-    steps = getattr(result, "steps", None)
+def _sample_json(index: int, seed: int, result, speculative: bool) -> dict:
     sample = {"index": index, "seed": seed, "token_ids": result.token_ids, "text": result.text,
               "finish_reason": result.finish_reason, "timing": result.timing}
-    if steps is not None:
-        sample["verify_steps"] = len(steps)
+    if speculative:
+        # the fast engine counts its steps (it keeps their records only with --trace)
+        sample["verify_steps"] = getattr(result, "verify_steps", None) or len(result.steps)
         sample["tokens_per_step"] = result.tokens_per_step
     return sample
 
@@ -118,9 +122,12 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise UserInputError(f"n={args.n}: expected an integer >= 1")
     if args.chat and args.prompt is None:
         raise UserInputError("--chat: expected --prompt text (it cannot wrap --prompt-ids)")
-    runner = ReferenceRunner(args.model, speculative_algorithm=args.speculative_algorithm,
-                             draft_model_path=args.speculative_draft_model_path,
-                             num_steps=args.speculative_num_steps)
+    if args.engine == "fast":
+        runner = _FastRunner(args)
+    else:
+        runner = ReferenceRunner(args.model, speculative_algorithm=args.speculative_algorithm,
+                                 draft_model_path=args.speculative_draft_model_path,
+                                 num_steps=args.speculative_num_steps)
     if args.prompt is not None:
         prompt_ids = runner.encode(args.prompt, chat=args.chat)
     else:
@@ -128,7 +135,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     seeds = [params.seed] if args.n == 1 else [derive_seed(params.seed, i) for i in range(args.n)]
     trace = _open_trace(args.trace) if args.trace else None  # a bad path fails before, not after, generating
     try:
-        results = [runner.generate(prompt_ids, replace(params, seed=seed)) for seed in seeds]
+        if args.engine == "fast":  # the --n samples run as one continuous batch
+            results = runner.generate_all(prompt_ids, [replace(params, seed=seed) for seed in seeds])
+        else:
+            results = [runner.generate(prompt_ids, replace(params, seed=seed)) for seed in seeds]
         if trace is not None:
             for index, result in enumerate(results):
                 for step_index, step in enumerate(getattr(result, "steps", [])):
@@ -137,7 +147,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         if trace is not None:
             trace.close()
     if args.json:
-        samples = [_sample_json(i, seed, r) for i, (seed, r) in enumerate(zip(seeds, results))]
+        speculative = args.speculative_algorithm != "none"
+        samples = [_sample_json(i, seed, r, speculative) for i, (seed, r) in enumerate(zip(seeds, results))]
         print(json.dumps({"engine": args.engine, "speculative_algorithm": args.speculative_algorithm,
                           "num_steps": runner.num_steps, "prompt_token_ids": list(prompt_ids),
                           "token_ids": results[0].token_ids, "text": results[0].text,
@@ -147,6 +158,40 @@ def _run_generate(args: argparse.Namespace) -> int:
         for result in results:
             print(result.text)
     return 0
+
+
+class _FastRunner:
+    """``ft generate --engine fast``: the fast engine behind the reference runner's three calls."""
+
+    def __init__(self, args: argparse.Namespace):
+        from .engine.config import engine_config_from_args
+        from .llm import LLM
+
+        config = engine_config_from_args(args)
+        self.model_path = config.model_path
+        self.llm = LLM.from_config(config, trace=bool(args.trace))
+        self.num_steps = self.llm.num_steps
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        from pathlib import Path
+
+        from dflash2.reference.errors import CheckpointError
+
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            raise CheckpointError(f"{Path(self.model_path)}: no tokenizer files, so --prompt text cannot be encoded "
+                                  "(give --prompt-ids instead)")
+        if chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def generate_all(self, prompt_ids: list[int], params: list[SamplingParams]) -> list:
+        outputs = self.llm.generate([prompt_ids] * len(params), params)
+        for out in outputs:
+            if out.error is not None:
+                raise UserInputError(out.error)
+        return outputs
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,134 @@
+"""The engine's startup configuration: one frozen dataclass, validated once, read by every module.
+
+``ft generate`` builds its flags from these fields (``add_engine_args``), so a default lives in one
+place. Two fields resolve at startup from the machine: ``device`` ``"auto"`` is ``cuda`` when a GPU
+is visible, else ``cpu``; ``dtype`` ``"auto"`` is bfloat16 on CUDA and float32 on CPU (CPU bf16
+matmuls are slow and the CPU lane is where the engine is held token for token to the fp32
+reference). Every refusal is a :class:`ConfigError` naming the field, its value and what was
+expected, as the reference's config validation does.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from dflash2.reference.errors import ConfigError, expect
+
+SPECULATIVE_ALGORITHMS = ("none", "mtp", "dflash")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+AUTO = "auto"
+MiB = 1 << 20
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    dtype: str = AUTO  # float32 | bfloat16 | float16 | auto (bf16 on CUDA, fp32 on CPU)
+    device: str = AUTO  # cpu | cuda | cuda:N | auto
+    max_running_req: int = 4  # requests decoding at once (one GDN state slot each)
+    max_num_batched_tokens: int = 2048  # prefill rows per step (a longer prompt is chunked)
+    page_size: int = 16  # tokens per KV page
+    memory_ratio: float = 0.85  # CUDA: fraction of device memory the weights and caches may use
+    cpu_cache_bytes: int = 256 * MiB  # CPU: the byte budget of the KV pages, state slots and draft rings
+    max_model_len: int | None = None  # tokens per request (prompt + output); None: the model's context
+    speculative_algorithm: str = "none"  # none | mtp | dflash
+    speculative_draft_model_path: str | None = None  # the DFlash 2 draft folder (dflash only)
+    speculative_num_steps: int | None = None  # k drafts per verify; None: block_size - 1 (dflash), 3 (mtp)
+    seed: int = 0  # seeds torch's global generator at startup; every sampling draw is keyed by the request's seed
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, torch.dtype):
+            names = {v: k for k, v in DTYPES.items()}
+            expect(self.dtype in names, ConfigError, "dtype", self.dtype, f"one of {sorted(DTYPES)}")
+            object.__setattr__(self, "dtype", names[self.dtype])
+        if isinstance(self.dtype, str):
+            object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        if self.speculative_algorithm is None:
+            object.__setattr__(self, "speculative_algorithm", "none")
+        if not isinstance(self.model_path, str) and self.model_path is not None:
+            object.__setattr__(self, "model_path", str(self.model_path))
+        if self.speculative_draft_model_path is not None and not isinstance(self.speculative_draft_model_path, str):
+            object.__setattr__(self, "speculative_draft_model_path", str(self.speculative_draft_model_path))
+        self.validate()
+
+    def validate(self) -> None:
+        expect(isinstance(self.model_path, str) and self.model_path != "", ConfigError, "model_path",
+               self.model_path, "a checkpoint folder")
+        expect(self.dtype == AUTO or self.dtype in DTYPES, ConfigError, "dtype", self.dtype,
+               f"'auto' or one of {sorted(DTYPES)}")
+        expect(isinstance(self.device, str) and (self.device in (AUTO, "cpu") or self.device.split(":")[0] == "cuda"),
+               ConfigError, "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        for name in ("max_running_req", "max_num_batched_tokens", "page_size", "cpu_cache_bytes"):
+            value = getattr(self, name)
+            expect(_is_int(value) and value >= 1, ConfigError, name, value, "an integer >= 1")
+        ratio = self.memory_ratio
+        expect(isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1, ConfigError,
+               "memory_ratio", ratio, "a number in (0, 1]")
+        expect(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2), ConfigError,
+               "max_model_len", self.max_model_len, "None (the model's context) or an integer >= 2")
+        expect(self.speculative_algorithm in SPECULATIVE_ALGORITHMS, ConfigError, "speculative_algorithm",
+               self.speculative_algorithm, f"one of {SPECULATIVE_ALGORITHMS}")
+        if self.speculative_algorithm != "dflash" and self.speculative_draft_model_path:
+            raise ConfigError(f"speculative_draft_model_path={self.speculative_draft_model_path!r}: only used with "
+                              f"speculative_algorithm 'dflash', got {self.speculative_algorithm!r}")
+        if self.speculative_algorithm == "none" and self.speculative_num_steps is not None:
+            raise ConfigError(f"speculative_num_steps={self.speculative_num_steps!r}: only used with "
+                              "speculative_algorithm 'mtp' or 'dflash'")
+        expect(self.speculative_num_steps is None or _is_int(self.speculative_num_steps), ConfigError,
+               "speculative_num_steps", self.speculative_num_steps, "None or an integer (its range is checked at "
+               "startup: >= 1 for mtp, 1 .. block_size - 1 for dflash)")
+        expect(_is_int(self.seed) and 0 <= self.seed < 2**63, ConfigError, "seed", self.seed,
+               "an integer in [0, 2^63)")
+
+    def resolved(self) -> EngineConfig:
+        """This config with ``device`` and ``dtype`` ``auto`` resolved for this machine."""
+        device = self.device
+        if device == AUTO:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = self.dtype
+        if dtype == AUTO:
+            dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        return replace(self, device=device, dtype=dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        expect(self.dtype in DTYPES, ConfigError, "dtype", self.dtype, "resolved (call resolved() first)")
+        return DTYPES[self.dtype]
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_algorithm != "none"
+
+
+def _field(name: str):
+    return {f.name: f for f in fields(EngineConfig)}[name]
+
+
+# flags of ``ft generate`` that fill EngineConfig fields (model_path is --model, the spec flags are shared)
+ENGINE_FLAGS = ("dtype", "device", "max_running_req", "max_num_batched_tokens", "page_size", "memory_ratio",
+                "cpu_cache_bytes", "max_model_len")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--dtype``, ``--device``, ... with defaults read from :class:`EngineConfig`."""
+    types = {"dtype": str, "device": str, "memory_ratio": float}
+    for name in ENGINE_FLAGS:
+        default = _field(name).default
+        parser.add_argument("--" + name.replace("_", "-"), type=types.get(name, int), default=default,
+                            help=f"fast engine (default: {default})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig an ``ft generate`` command line asks for."""
+    return EngineConfig(model_path=args.model, speculative_algorithm=args.speculative_algorithm,
+                        speculative_draft_model_path=args.speculative_draft_model_path,
+                        speculative_num_steps=args.speculative_num_steps,
+                        **{name: getattr(args, name) for name in ENGINE_FLAGS})

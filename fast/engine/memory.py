@@ -1,0 +1,91 @@
+"""Sizing the caches at startup: KV pages and state slots out of one byte budget.
+
+The budget: on CUDA, after the weights are loaded, ``free - total * (1 - memory_ratio)`` (the
+weights, the caches and the activations together stay within ``memory_ratio`` of the device); on
+CPU, ``cpu_cache_bytes``. Out of it, first one state slot per running request (the target's GDN
+state plus, with DFlash, the draft's per-request K/V ring and its ``dflash_window`` of context
+rows), then as many KV pages as fit, capped at what ``max_running_req`` requests of
+``max_model_len`` tokens can ever hold. The sizes come from the pools' own ``bytes_per_token`` and
+``bytes_per_slot`` so this module knows nothing of their layout.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from dflash2.reference.draft_config import DraftConfig
+from dflash2.reference.errors import ConfigError
+
+from ..spec.ring_pool import RING_MARGIN
+from .config import EngineConfig
+from .scheduler import pages_for
+
+logger = logging.getLogger("dflash2.fast.engine")
+MiB = float(1 << 20)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget_bytes: int
+    page_size: int
+    num_pages: int
+    num_slots: int
+    kv_bytes_per_token: int  # target full-attention layers (and the MTP layer) for one position
+    state_bytes_per_slot: int  # the target's GDN state of one request
+    draft_bytes_per_slot: int  # the draft's ring and dflash_window of one request (0 without DFlash)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.kv_tokens * self.kv_bytes_per_token
+                + self.num_slots * (self.state_bytes_per_slot + self.draft_bytes_per_slot))
+
+
+def dflash_slot_bytes(cfg: DraftConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(K/V ring, dflash_window) bytes of one request: ``fast/spec/ring_pool.py``'s W + margin rows,
+    each with an int64 position tag."""
+    rows, itemsize, tag = cfg.sliding_window + RING_MARGIN, torch.empty((), dtype=dtype).element_size(), 8
+    ring = rows * (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize + tag)
+    window = rows * (cfg.hidden_size * itemsize + tag)
+    return ring, window
+
+
+def cache_budget_bytes(cfg: EngineConfig, device: torch.device) -> int:
+    """Bytes the caches may take (call after the weights are on the device)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free - total * (1.0 - cfg.memory_ratio))
+    return cfg.cpu_cache_bytes
+
+
+def plan_memory(budget_bytes: int, *, page_size: int, num_slots: int, max_model_len: int, kv_bytes_per_token: int,
+                state_bytes_per_slot: int, draft_bytes_per_slot: int = 0,
+                budget_field: str = "memory_ratio") -> MemoryPlan:
+    """Slots first, then pages; refuse a budget that cannot hold the slots and one request's pages."""
+    slot_bytes = num_slots * (state_bytes_per_slot + draft_bytes_per_slot)
+    page_bytes = page_size * kv_bytes_per_token
+    num_pages = max(0, budget_bytes - slot_bytes) // page_bytes if page_bytes else 0
+    num_pages = min(num_pages, num_slots * pages_for(max_model_len, page_size))
+    if num_pages < 1:
+        raise ConfigError(
+            f"{budget_field}: the cache budget of {budget_bytes / MiB:.1f} MiB holds {num_slots} state slots "
+            f"({slot_bytes / MiB:.1f} MiB) and no KV page ({page_bytes} bytes each): expected a larger budget "
+            "or a smaller max_running_req")
+    return MemoryPlan(budget_bytes, page_size, num_pages, num_slots, kv_bytes_per_token, state_bytes_per_slot,
+                      draft_bytes_per_slot)
+
+
+def log_plan(plan: MemoryPlan, *, draft_ring_bytes: int = 0, draft_window_bytes: int = 0) -> None:
+    logger.info("KV cache: %d tokens (%d pages of %d), %.1f MiB; %d state slots of %.2f MiB",
+                plan.kv_tokens, plan.num_pages, plan.page_size, plan.kv_tokens * plan.kv_bytes_per_token / MiB,
+                plan.num_slots, plan.state_bytes_per_slot / MiB)
+    if plan.draft_bytes_per_slot:
+        logger.info("DFlash draft per slot: %.2f MiB (K/V ring %.2f MiB + dflash_window %.2f MiB), %d slots: %.1f MiB",
+                    plan.draft_bytes_per_slot / MiB, draft_ring_bytes / MiB, draft_window_bytes / MiB,
+                    plan.num_slots, plan.num_slots * plan.draft_bytes_per_slot / MiB)

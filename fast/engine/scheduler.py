@@ -1,0 +1,282 @@
+"""Continuous batching: which requests run in the next step, and the pages and slots they hold.
+
+A request's life (mini-sglang's, without a prefix cache yet):
+
+1. ``add``: validated requests wait in FIFO order (an invalid one is finished at once with its
+   error, and never holds anything).
+2. Admission, at the head of the queue only (no overtaking): a free GDN state slot and enough free
+   KV pages for the request's whole budget, ``min(prompt + max_tokens, max_model_len)`` tokens.
+   Reserving the budget up front means a running request never runs out of pages, so nothing is
+   ever preempted; pages are still allocated lazily, as the context grows, out of the reservation.
+3. Prefill in chunks: a prefill step packs prompt chunks of admitted requests (unfinished ones
+   first, in admission order, then newly admitted ones) up to ``max_num_batched_tokens`` rows.
+4. Decode/verify steps: every request whose prompt is done contributes its anchor (the last
+   committed token, not yet through the target) and ``k`` drafts. Prefill steps and decode steps
+   are separate; a step is a prefill step whenever some admitted prompt is unfinished or a
+   waiting request can be admitted (mini-sglang's prefill priority).
+5. Finish: a stop id (unless ``ignore_eos``), a stop string, ``max_tokens`` or ``max_model_len``
+   (finish reason ``length``); the slot, the pages and the unused reservation return to the pools.
+
+KV layout: the target's K/V for position p of a request lives at flat slot
+``pages[p // page_size] * page_size + p % page_size``. A verify writes rows s..s+k; the rows of
+rejected drafts stay in the request's pages as garbage past its context and are overwritten by the
+next step's rows at the same positions; they never need freeing, because a request only ever
+writes positions below its reserved budget (k is capped by the tokens it may still emit).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+from dflash2.reference.sampling_params import SamplingParams
+
+
+class ReqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Req:
+    """One request's state, kept by the scheduler between steps."""
+
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int  # max_tokens, capped by max_model_len - len(prompt)
+    status: ReqStatus = ReqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_prefilled: int = 0  # prompt tokens already run through the target
+    slot: int = -1  # GDN state slot (also the MTP / DFlash per-request state)
+    pages: list[int] = field(default_factory=list)
+    reserved_pages: int = 0  # pages promised at admission and not yet allocated
+    finish_reason: str | None = None  # "stop" | "length" | "error"
+    error: str | None = None
+    text: str = ""
+    text_cut: bool = False  # the text was cut at a stop string
+    steps: list = field(default_factory=list)  # StepTraces of the verify steps (when tracing)
+    num_verify_steps: int = 0
+    num_emitted: int = 0  # tokens committed by verify steps, before any cut at a stop
+    arrival_s: float = 0.0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_prefilled == self.prompt_len
+
+    @property
+    def anchor_position(self) -> int:
+        """Position of the last committed token, the one not yet through the target (decode phase)."""
+        return self.prompt_len + len(self.output_ids) - 1
+
+    @property
+    def budget_tokens(self) -> int:
+        """The most positions this request can ever write: prompt plus every token it may emit."""
+        return self.prompt_len + self.max_new_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    req: Req
+    start: int  # first prompt position of the chunk
+    length: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.start + self.length == self.req.prompt_len
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    chunks: list[PrefillChunk]
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    reqs: list[Req]
+    num_drafts: list[int]  # k per request (0 for plain decoding)
+
+
+class PageAllocator:
+    """KV pages: a free list, with reservations counted against it."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.free_pages: deque[int] = deque(range(num_pages))
+        self.reserved = 0  # pages promised to admitted requests, not yet handed out
+
+    @property
+    def available(self) -> int:
+        """Pages that a new admission may reserve."""
+        return len(self.free_pages) - self.reserved
+
+    def reserve(self, n: int) -> None:
+        assert n <= self.available, f"reserving {n} pages with {self.available} available"
+        self.reserved += n
+
+    def take_reserved(self, n: int) -> list[int]:
+        assert n <= self.reserved and n <= len(self.free_pages)
+        self.reserved -= n
+        return [self.free_pages.popleft() for _ in range(n)]
+
+    def release(self, pages: list[int], unused_reservation: int) -> None:
+        self.free_pages.extend(pages)
+        self.reserved -= unused_reservation
+        assert self.reserved >= 0 and len(self.free_pages) <= self.num_pages
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+class Scheduler:
+    """Queues, admission, chunking and resource accounting; no tensors (the runner builds those)."""
+
+    def __init__(self, *, max_running_req: int, max_num_batched_tokens: int, page_size: int, num_pages: int,
+                 num_steps: int = 0, max_model_len: int):
+        self.max_running_req = max_running_req
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.page_size = page_size
+        self.num_steps = num_steps  # k of a speculative step, 0 for plain decoding
+        self.max_model_len = max_model_len
+        self.pages = PageAllocator(num_pages)
+        self.free_slots: deque[int] = deque(range(max_running_req))
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admitted, in admission order
+        self.finished: list[Req] = []
+
+    # ---- queue --------------------------------------------------------------------------------
+
+    def capacity_error(self, req: Req) -> str | None:
+        """Why this request could never be admitted, or None."""
+        need = pages_for(req.budget_tokens, self.page_size)
+        if need > self.pages.num_pages:
+            return (f"prompt ({req.prompt_len} tokens) + max_tokens ({req.max_new_tokens}) needs {need} KV pages "
+                    f"of {self.page_size} tokens: expected at most the {self.pages.num_pages} pages the cache holds")
+        return None
+
+    def add(self, req: Req) -> None:
+        error = self.capacity_error(req)
+        if error is not None:
+            self.finish(req, "error", error)
+            return
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning -----------------------------------------------------------------------------
+
+    def _can_admit(self, req: Req) -> bool:
+        return bool(self.free_slots) and pages_for(req.budget_tokens, self.page_size) <= self.pages.available
+
+    def _admit(self, req: Req) -> None:
+        req.slot = self.free_slots.popleft()
+        req.reserved_pages = pages_for(req.budget_tokens, self.page_size)
+        self.pages.reserve(req.reserved_pages)
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+
+    def schedule(self) -> PrefillPlan | DecodePlan | None:
+        """The next step: prompt chunks if any prompt can advance, else one decode/verify step for all."""
+        plan = self._schedule_prefill()
+        if plan is not None:
+            return plan
+        decoding = [r for r in self.running if r.prefill_done]
+        if not decoding:
+            return None
+        num_drafts = [self.drafts_for(r) for r in decoding]
+        for req, k in zip(decoding, num_drafts):
+            self.ensure_pages(req, req.anchor_position + k + 1)
+        return DecodePlan(decoding, num_drafts)
+
+    def drafts_for(self, req: Req) -> int:
+        """k for this request's next verify (``reference/speculative.py``): a step emits up to k + 1
+        tokens, so draft no further than the request's end; with one token left, k = 0 and the step
+        emits the target's own (bonus) token."""
+        return min(self.num_steps, req.max_new_tokens - len(req.output_ids) - 1)
+
+    def _schedule_prefill(self) -> PrefillPlan | None:
+        budget = self.max_num_batched_tokens
+        chunks = []
+        for req in self.running:
+            if budget == 0:
+                break
+            if not req.prefill_done:
+                chunks.append(self._chunk(req, budget))
+                budget -= chunks[-1].length
+        while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
+            req = self.waiting.popleft()
+            self._admit(req)
+            chunks.append(self._chunk(req, budget))
+            budget -= chunks[-1].length
+        return PrefillPlan(chunks) if chunks else None
+
+    def _chunk(self, req: Req, budget: int) -> PrefillChunk:
+        length = min(req.prompt_len - req.num_prefilled, budget)
+        self.ensure_pages(req, req.num_prefilled + length)
+        return PrefillChunk(req, req.num_prefilled, length)
+
+    def ensure_pages(self, req: Req, num_tokens: int) -> None:
+        """Allocate pages (from the request's reservation) until positions 0..num_tokens-1 have a home."""
+        need = pages_for(num_tokens, self.page_size) - len(req.pages)
+        if need > 0:
+            assert need <= req.reserved_pages, f"request {req.rid} writes past its reserved budget"
+            req.pages += self.pages.take_reserved(need)
+            req.reserved_pages -= need
+
+    # ---- results ------------------------------------------------------------------------------
+
+    def finish(self, req: Req, reason: str, error: str | None = None) -> None:
+        """Mark finished and return the slot, pages and reservation."""
+        if req.status is ReqStatus.RUNNING:
+            self.running.remove(req)
+            self.free_slots.append(req.slot)
+            self.pages.release(req.pages, req.reserved_pages)
+        elif req.status is ReqStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        req.pages, req.reserved_pages, req.slot = [], 0, -1
+        req.status, req.finish_reason, req.error = ReqStatus.FINISHED, reason, error
+        self.finished.append(req)
+
+
+def check_finished(req: Req, new_tokens: list[int], stop_ids: frozenset[int],
+                   decode: Callable[[list[int]], str] | None) -> str | None:
+    """Append ``new_tokens`` to the output and say whether the request is done, as the reference does.
+
+    Order (``reference/speculative.py``): the first stop id keeps the output up to and including it;
+    else a stop string in the decoded text cuts the text (not the ids) before it; else the output is
+    cut at ``max_new_tokens``. Returns the finish reason or None.
+    """
+    start = len(req.output_ids)
+    req.output_ids += new_tokens
+    if not req.params.ignore_eos:
+        for i in range(start, len(req.output_ids)):
+            if req.output_ids[i] in stop_ids:
+                del req.output_ids[i + 1:]
+                return "stop"
+    if req.params.stop:
+        text = decode(req.output_ids)
+        hits = [text.find(s) for s in req.params.stop if s in text]
+        if hits:
+            req.text, req.text_cut = text[:min(hits)], True
+            return "stop"
+    if len(req.output_ids) >= req.max_new_tokens:
+        del req.output_ids[req.max_new_tokens:]
+        return "length"
+    return None

@@ -1,0 +1,101 @@
+"""Startup: an EngineConfig to a loaded target, its caches, its proposer and its tokenizer.
+
+Every refusal happens here, before any request, with the reference's errors, because both sides
+use the same loaders and validators (``reference/config.py``, ``checkpoint.py``,
+``draft_config.py``, ``draft_checkpoint.py``, ``tokenizer.py``), in the reference runner's order:
+the speculative flags (``EngineConfig``), the target checkpoint, the MTP head or the draft, the
+tokenizer. Then the caches are sized (``memory.py``) and allocated once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from dflash2.reference.checkpoint import load_target
+from dflash2.reference.config import TargetConfig
+from dflash2.reference.draft_checkpoint import load_draft
+from dflash2.reference.errors import ConfigError, expect
+from dflash2.reference.tokenizer import check_tokenizer_fits, eos_token_ids, has_tokenizer, load_tokenizer
+
+from ..model.draft import FastDraft
+from ..model.mtp import FastMTP
+from ..model.pools import CachePools, gdn_bytes_per_slot, kv_bytes_per_token, verify_bytes_per_seq
+from ..model.target import FastTarget
+from ..spec.dflash import FastDFlashProposer
+from ..spec.mtp import FastMTPProposer
+from .config import EngineConfig
+from .memory import MemoryPlan, cache_budget_bytes, dflash_slot_bytes, log_plan, plan_memory
+from .runner import DFlashDrafter, MTPDrafter, Proposer
+
+logger = logging.getLogger("dflash2.fast.engine")
+DEFAULT_MTP_STEPS = 3  # as reference/runner.py
+
+
+@dataclass
+class LoadedModel:
+    config: EngineConfig  # resolved: device and dtype concrete
+    target_cfg: TargetConfig
+    target: FastTarget
+    pools: CachePools
+    proposer: Proposer | None
+    num_steps: int  # k per verify; 0 without speculative decoding
+    max_model_len: int
+    memory: MemoryPlan
+    tokenizer: object | None
+    stop_token_ids: tuple[int, ...]
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    cfg = config.resolved()
+    torch.manual_seed(cfg.seed)
+    device, dtype = torch.device(cfg.device), cfg.torch_dtype
+    target_cfg, weights = load_target(cfg.model_path)
+    max_model_len = cfg.max_model_len or target_cfg.max_position_embeddings
+    expect(max_model_len <= target_cfg.max_position_embeddings, ConfigError, "max_model_len", max_model_len,
+           f"at most the model's context of {target_cfg.max_position_embeddings} tokens")
+    num_steps, draft_cfg, draft_weights = 0, None, None
+    if cfg.speculative_algorithm == "mtp":
+        expect(target_cfg.mtp_num_hidden_layers == 1, ConfigError, "mtp_num_hidden_layers",
+               target_cfg.mtp_num_hidden_layers, "1 for speculative_algorithm 'mtp' (this target has no MTP head)")
+        num_steps = DEFAULT_MTP_STEPS if cfg.speculative_num_steps is None else cfg.speculative_num_steps
+        expect(num_steps >= 1, ConfigError, "speculative_num_steps", num_steps, "an integer >= 1")
+    elif cfg.speculative_algorithm == "dflash":
+        draft_cfg, draft_weights = load_draft(cfg.speculative_draft_model_path, target_cfg, cfg.speculative_num_steps)
+        num_steps = draft_cfg.num_steps
+    tokenizer = None
+    if has_tokenizer(cfg.model_path):
+        tokenizer = load_tokenizer(cfg.model_path)
+        check_tokenizer_fits(tokenizer, target_cfg.vocab_size)
+    stop_token_ids = eos_token_ids(cfg.model_path, tokenizer)
+
+    tap_layers = draft_cfg.target_layer_ids if draft_cfg is not None else ()
+    target = FastTarget(target_cfg, weights, dtype, device, tap_layers)
+    draft = None
+    if draft_cfg is not None:
+        draft = FastDraft(draft_cfg, draft_weights, target.embed, target.lm_head, dtype, device)
+    mtp = FastMTP(target_cfg, weights, dtype, device, target=target) if cfg.speculative_algorithm == "mtp" else None
+    del weights, draft_weights
+
+    num_slots = cfg.max_running_req
+    ring_bytes, window_bytes = dflash_slot_bytes(draft_cfg, dtype) if draft_cfg is not None else (0, 0)
+    use_mtp = cfg.speculative_algorithm == "mtp"
+    plan = plan_memory(
+        cache_budget_bytes(cfg, device), page_size=cfg.page_size, num_slots=num_slots, max_model_len=max_model_len,
+        kv_bytes_per_token=kv_bytes_per_token(target_cfg, dtype, use_mtp),
+        state_bytes_per_slot=gdn_bytes_per_slot(target_cfg, dtype)
+        + verify_bytes_per_seq(target_cfg, dtype, num_steps + 1),
+        draft_bytes_per_slot=ring_bytes + window_bytes,
+        budget_field="memory_ratio" if device.type == "cuda" else "cpu_cache_bytes")
+    log_plan(plan, draft_ring_bytes=ring_bytes, draft_window_bytes=window_bytes)
+    pools = CachePools(target_cfg, plan.num_pages, cfg.page_size, num_slots, num_steps + 1, dtype, device,
+                       mtp=use_mtp)
+    proposer = None
+    if draft is not None:
+        proposer = DFlashDrafter(FastDFlashProposer(draft, num_slots))
+    elif mtp is not None:
+        proposer = MTPDrafter(FastMTPProposer(mtp, pools))
+    return LoadedModel(cfg, target_cfg, target, pools, proposer, num_steps, max_model_len, plan, tokenizer,
+                       stop_token_ids)

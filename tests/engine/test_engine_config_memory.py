@@ -1,0 +1,98 @@
+"""EngineConfig (validation, argparse defaults from the dataclass, auto device and dtype) and the cache
+sizing of memory.py, whose byte counts must equal what the pools really allocate."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import fields
+
+import pytest
+import torch
+
+from dflash2.fast.engine.config import ENGINE_FLAGS, EngineConfig, add_engine_args, engine_config_from_args
+from dflash2.fast.engine.memory import dflash_slot_bytes, log_plan, plan_memory
+from dflash2.fast.model.pools import CachePools, gdn_bytes_per_slot, kv_bytes_per_token
+from dflash2.fast.spec.ring_pool import RingPool, WindowPool
+from dflash2.reference.draft_config import parse_draft_config
+from dflash2.reference.draft_factory import tiny_draft_config
+from dflash2.reference.errors import ConfigError
+from dflash2.reference.factory import tiny_target_config
+
+
+def test_argparse_defaults_are_the_dataclass_defaults():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args([])
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    assert {name: getattr(args, name) for name in ENGINE_FLAGS} == {name: defaults[name] for name in ENGINE_FLAGS}
+    args = parser.parse_args(["--max-running-req", "3", "--memory-ratio", "0.5", "--max-model-len", "64"])
+    for name, value in dict(model="m", speculative_algorithm="none", speculative_draft_model_path=None,
+                            speculative_num_steps=None).items():
+        setattr(args, name, value)
+    config = engine_config_from_args(args)
+    assert (config.max_running_req, config.memory_ratio, config.max_model_len) == (3, 0.5, 64)
+
+
+def test_auto_resolves_to_the_machine():
+    config = EngineConfig(model_path="m").resolved()
+    if torch.cuda.is_available():
+        assert (config.device, config.dtype) == ("cuda", "bfloat16")
+    else:
+        assert (config.device, config.dtype, config.torch_dtype) == ("cpu", "float32", torch.float32)
+    assert EngineConfig(model_path="m", dtype=torch.bfloat16).dtype == "bfloat16"
+    assert EngineConfig(model_path="m", dtype="fp16", device="cpu").resolved().torch_dtype == torch.float16
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(model_path=""), "model_path=''"),
+    (dict(speculative_algorithm="eagle"), "speculative_algorithm='eagle': expected one of"),
+    (dict(speculative_draft_model_path="d"), "only used with speculative_algorithm 'dflash'"),
+    (dict(speculative_num_steps=2), "speculative_num_steps=2: only used with"),
+    (dict(speculative_algorithm="mtp", speculative_num_steps="3"), "speculative_num_steps='3'"),
+    (dict(dtype=torch.int8), "dtype=torch.int8"),
+])
+def test_config_refusals_name_field_value_and_expectation(kw, needle):
+    with pytest.raises(ConfigError) as exc:
+        EngineConfig(**{"model_path": "m", **kw})
+    assert needle in str(exc.value)
+
+
+def test_plan_puts_slots_first_then_pages_capped_by_what_requests_can_use():
+    plan = plan_memory(10_000, page_size=4, num_slots=2, max_model_len=1000, kv_bytes_per_token=10,
+                       state_bytes_per_slot=1000, draft_bytes_per_slot=500)
+    assert plan.num_pages == (10_000 - 3000) // 40 and plan.kv_tokens == 175 * 4
+    assert plan.total_bytes <= 10_000
+    capped = plan_memory(10**9, page_size=4, num_slots=2, max_model_len=10, kv_bytes_per_token=10,
+                         state_bytes_per_slot=0)
+    assert capped.num_pages == 2 * 3  # two requests of 10 tokens: 3 pages each
+    with pytest.raises(ConfigError, match="cpu_cache_bytes: the cache budget of .* no KV page"):
+        plan_memory(3039, page_size=4, num_slots=2, max_model_len=10, kv_bytes_per_token=10,
+                    state_bytes_per_slot=1000, draft_bytes_per_slot=500, budget_field="cpu_cache_bytes")
+
+
+def test_byte_counts_equal_the_allocated_pools(caplog):
+    cfg = tiny_target_config("tiny-dense")
+    draft_cfg = parse_draft_config(tiny_draft_config(cfg, sliding_window=40), cfg)
+    pools = CachePools(cfg, num_pages=5, page_size=4, num_slots=3, max_verify_rows=1, dtype=torch.float32,
+                       device="cpu", mtp=True)
+    kv = sum(t.numel() * t.element_size() for layer in [*pools.attention.values(), pools.mtp]
+             for t in (layer.keys, layer.values))
+    assert kv == pools.num_kv_slots * kv_bytes_per_token(cfg, torch.float32, True)
+    state = sum(t.numel() * t.element_size() for slots in pools.gdn.values() for t in (slots.conv, slots.recurrent))
+    assert state == 3 * gdn_bytes_per_slot(cfg, torch.float32)
+    ring = RingPool(3, draft_cfg.sliding_window, draft_cfg.num_hidden_layers, draft_cfg.num_key_value_heads,
+                    draft_cfg.head_dim)
+    window = WindowPool(3, draft_cfg.sliding_window, draft_cfg.hidden_size)
+    ring_bytes, window_bytes = dflash_slot_bytes(draft_cfg, torch.float32)
+    per_slot = lambda *ts: sum(t[:3].numel() * t.element_size() for t in ts) // 3  # noqa: E731 (no trash slot)
+    assert ring_bytes == per_slot(ring.k.transpose(0, 1), ring.v.transpose(0, 1), ring.tags)
+    assert window_bytes == per_slot(window.rows, window.tags)
+    plan = plan_memory(1 << 20, page_size=4, num_slots=3, max_model_len=64,
+                       kv_bytes_per_token=kv_bytes_per_token(cfg, torch.float32, False),
+                       state_bytes_per_slot=gdn_bytes_per_slot(cfg, torch.float32),
+                       draft_bytes_per_slot=ring_bytes + window_bytes)
+    with caplog.at_level(logging.INFO, logger="dflash2.fast.engine"):
+        log_plan(plan, draft_ring_bytes=ring_bytes, draft_window_bytes=window_bytes)
+    assert f"KV cache: {plan.kv_tokens} tokens" in caplog.text
+    assert "DFlash draft per slot" in caplog.text and "dflash_window" in caplog.text
