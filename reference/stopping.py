@@ -17,11 +17,16 @@ from .sampling_params import SamplingParams
 
 @dataclass
 class Stopper:
+    """``max_tokens`` overrides ``params.max_tokens`` (an engine caps it by its context length)."""
+
     params: SamplingParams
     stop_token_ids: Sequence[int] = ()
     decode: Callable[[list[int]], str] | None = None
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_tokens is None:
+            self.max_tokens = self.params.max_tokens
         if self.params.stop and self.decode is None:
             raise RequestError(f"stop={list(self.params.stop)!r}: expected no stop strings for a checkpoint "
                                "without a tokenizer (they are matched on decoded text)")
@@ -39,8 +44,8 @@ class Stopper:
             if hits:
                 self.text = text[:min(hits)]
                 return output, "stop"
-        if len(output) >= self.params.max_tokens:
-            return output[:self.params.max_tokens], "length"
+        if len(output) >= self.max_tokens:
+            return output[:self.max_tokens], "length"
         return output, None
 
     def final_text(self, output: list[int]) -> str:

@@ -16,10 +16,11 @@ from typing import Sequence
 
 from dflash2.reference.errors import RequestError, UserInputError
 from dflash2.reference.sampling_params import SamplingParams
+from dflash2.reference.stopping import Stopper
 
 from .config import EngineConfig
 from .runner import ModelRunner, StepTrace
-from .scheduler import PrefillPlan, Req, Scheduler, check_finished
+from .scheduler import PrefillPlan, Req, Scheduler
 from .startup import LoadedModel, load_model
 
 
@@ -171,11 +172,12 @@ class Engine:
                 self._commit(scheduler, req, [token])
 
     def _commit(self, scheduler: Scheduler, req: Req, tokens: list[int]) -> None:
+        """Append committed tokens and end the request where the reference would (``reference/stopping.py``)."""
         decode = self.decode if self.tokenizer is not None else None
-        reason = check_finished(req, tokens, self.stop_ids, decode)
+        stopper = Stopper(req.params, self.stop_ids, decode, req.max_new_tokens)
+        req.output_ids, reason = stopper.check(req.output_ids + tokens)
         if reason is not None:
-            if decode is not None and not req.text_cut:
-                req.text = decode(req.output_ids)
+            req.text = stopper.final_text(req.output_ids)
             req.finish_s = time.perf_counter()
             scheduler.finish(req, reason)
 

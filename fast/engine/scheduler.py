@@ -57,7 +57,6 @@ class Req:
     finish_reason: str | None = None  # "stop" | "length" | "error"
     error: str | None = None
     text: str = ""
-    text_cut: bool = False  # the text was cut at a stop string
     steps: list = field(default_factory=list)  # StepTraces of the verify steps (when tracing)
     num_verify_steps: int = 0
     num_emitted: int = 0  # tokens committed by verify steps, before any cut at a stop
@@ -253,30 +252,3 @@ class Scheduler:
         req.pages, req.reserved_pages, req.slot = [], 0, -1
         req.status, req.finish_reason, req.error = ReqStatus.FINISHED, reason, error
         self.finished.append(req)
-
-
-def check_finished(req: Req, new_tokens: list[int], stop_ids: frozenset[int],
-                   decode: Callable[[list[int]], str] | None) -> str | None:
-    """Append ``new_tokens`` to the output and say whether the request is done, as the reference does.
-
-    Order (``reference/speculative.py``): the first stop id keeps the output up to and including it;
-    else a stop string in the decoded text cuts the text (not the ids) before it; else the output is
-    cut at ``max_new_tokens``. Returns the finish reason or None.
-    """
-    start = len(req.output_ids)
-    req.output_ids += new_tokens
-    if not req.params.ignore_eos:
-        for i in range(start, len(req.output_ids)):
-            if req.output_ids[i] in stop_ids:
-                del req.output_ids[i + 1:]
-                return "stop"
-    if req.params.stop:
-        text = decode(req.output_ids)
-        hits = [text.find(s) for s in req.params.stop if s in text]
-        if hits:
-            req.text, req.text_cut = text[:min(hits)], True
-            return "stop"
-    if len(req.output_ids) >= req.max_new_tokens:
-        del req.output_ids[req.max_new_tokens:]
-        return "length"
-    return None
