@@ -35,25 +35,8 @@ from .sampling import greedy_token, target_probs
 from .sampling_params import SamplingParams
 from .stopping import Stopper, timing
 from .target import ReferenceTarget
+from .trace import StepRecord
 from .verify import verify_greedy, verify_sampled_keyed
-
-
-@dataclass
-class StepRecord:
-    """One verify step, as ``--trace`` writes it."""
-
-    anchor_position: int
-    draft_tokens: list[int]
-    cand_ids: list[list[int]]
-    draft_probs: list[list[float]]
-    target_tokens: list[int]  # the target's argmax at each verified row
-    num_accepted: int
-    emitted: list[int]
-
-    def to_json(self) -> dict:
-        return dict(anchor_position=self.anchor_position, draft_tokens=self.draft_tokens, cand_ids=self.cand_ids,
-                    q=self.draft_probs, target_tokens=self.target_tokens, num_accepted=self.num_accepted,
-                    emitted=self.emitted)
 
 
 @dataclass

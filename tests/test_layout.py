@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # reference modules the fast engine may use: formats, validation and shared parameters, no compute
 SHARED_REFERENCE_MODULES = {
     "config", "weights", "errors", "checkpoint", "factory", "tokenizer", "tokenizer_factory",
-    "sampling_params", "rng", "stopping", "draft_config", "draft_checkpoint", "draft_factory",
+    "sampling_params", "rng", "stopping", "trace", "draft_config", "draft_checkpoint", "draft_factory",
 }
 # the CLI's ``--engine reference`` deliberately dispatches to the executable spec
 REFERENCE_DISPATCH = {("cli.py", "runner")}

@@ -17,9 +17,10 @@ from typing import Sequence
 from dflash2.reference.errors import RequestError, UserInputError
 from dflash2.reference.sampling_params import SamplingParams
 from dflash2.reference.stopping import Stopper
+from dflash2.reference.trace import StepRecord
 
 from .config import EngineConfig
-from .runner import ModelRunner, StepTrace
+from .runner import ModelRunner
 from .scheduler import PrefillPlan, Req, Scheduler
 from .startup import LoadedModel, load_model
 
@@ -35,7 +36,7 @@ class RequestOutput:
     verify_steps: int = 0  # speculative steps (0 for plain decoding)
     num_emitted: int = 0  # tokens committed by those steps, before any cut at a stop
     timing: dict[str, float] = field(default_factory=dict)  # prefill_s, decode_s, total_s, output_tokens_per_s
-    steps: list[StepTrace] = field(default_factory=list)  # with trace=True
+    steps: list[StepRecord] = field(default_factory=list)  # with trace=True
 
     @property
     def tokens_per_step(self) -> float:

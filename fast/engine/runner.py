@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from dflash2.reference.sampling_params import SamplingParams
+from dflash2.reference.trace import StepRecord
 
 from ..kernels.sampler import SamplingTensors
 from ..model.batch import ForwardBatch
@@ -52,28 +53,10 @@ class Proposer(Protocol):
 
 
 @dataclass(frozen=True)
-class StepTrace:
-    """One verify step of one request, in the reference's ``StepRecord.to_json`` shape (``--trace``)."""
-
-    anchor_position: int
-    draft_tokens: list[int]
-    cand_ids: list[list[int]]
-    draft_probs: list[list[float]]
-    target_tokens: list[int]  # the target's argmax at each verified row
-    num_accepted: int
-    emitted: list[int]
-
-    def to_json(self) -> dict:
-        return dict(anchor_position=self.anchor_position, draft_tokens=self.draft_tokens, cand_ids=self.cand_ids,
-                    q=self.draft_probs, target_tokens=self.target_tokens, num_accepted=self.num_accepted,
-                    emitted=self.emitted)
-
-
-@dataclass(frozen=True)
 class VerifyResult:
     num_accepted: int
     emitted: list[int]  # num_accepted + 1 tokens
-    trace: StepTrace | None
+    trace: StepRecord | None
 
 
 class ModelRunner:
@@ -189,7 +172,7 @@ class ModelRunner:
         if self.trace:
             argmax, cands, probs = (logits.argmax(dim=2).tolist(), proposal.cand_ids.tolist(),
                                     proposal.draft_probs.tolist())
-            traces = [StepTrace(anchor_list[b], draft_tokens[b, :kb].tolist(), cands[b][:kb], probs[b][:kb],
+            traces = [StepRecord(anchor_list[b], draft_tokens[b, :kb].tolist(), cands[b][:kb], probs[b][:kb],
                                 argmax[b][:kb + 1], accepted[b], emitted[b][:accepted[b] + 1])
                       for b, kb in enumerate(num_drafts)]
         return [VerifyResult(a, e[:a + 1], t) for a, e, t in zip(accepted, emitted, traces)]

@@ -29,7 +29,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable
 
 from dflash2.reference.sampling_params import SamplingParams
 
@@ -57,7 +56,7 @@ class Req:
     finish_reason: str | None = None  # "stop" | "length" | "error"
     error: str | None = None
     text: str = ""
-    steps: list = field(default_factory=list)  # StepTraces of the verify steps (when tracing)
+    steps: list = field(default_factory=list)  # StepRecords of the verify steps (when tracing)
     num_verify_steps: int = 0
     num_emitted: int = 0  # tokens committed by verify steps, before any cut at a stop
     arrival_s: float = 0.0
