@@ -38,4 +38,11 @@ KERNELS: tuple[KernelTwin, ...] = (
                ("dflash2.fast.kernels.ring_attention:ring_attention_torch",
                 "dflash2.fast.kernels.ring_attention:ring_attention_triton"),
                "dflash2.reference.draft:window_attention", "conformance/ops/test_ring_attention.py"),
+    KernelTwin("gdn_recurrent",
+               ("dflash2.fast.kernels.gdn_recurrent:gated_delta_rule_verify_torch",
+                "dflash2.fast.kernels.gdn_recurrent:gated_delta_rule_verify_triton"),
+               "dflash2.reference.delta_rule:gated_delta_rule_recurrent", "conformance/ops/test_gdn_recurrent.py"),
+    KernelTwin("gdn_prefill",  # flash-linear-attention's chunked Triton kernels, CUDA only; no torch twin of its own
+               ("dflash2.fast.kernels.gdn_prefill:gated_delta_rule_prefill_fla",),
+               "dflash2.reference.delta_rule:gated_delta_rule_recurrent", "conformance/ops/test_gdn_prefill.py"),
 )

@@ -17,7 +17,9 @@ after the last kept row.
 The conv and the recurrence are ops (:attr:`ModelOps.causal_conv1d`,
 :attr:`ModelOps.gated_delta_rule`); the torch forms below pad the rows to ``[B, Tq, ...]`` and
 loop the recurrence over time. Padded steps leave the state exactly unchanged (g = 0, beta = 0,
-k = 0), so the state after the loop is each sequence's own final state.
+k = 0), so the state after the loop is each sequence's own final state. :func:`gated_delta_rule`,
+the op's default, sends CUDA tensors to the kernels (fast/kernels/gdn_recurrent.py,
+fast/kernels/gdn_prefill.py) and everything else to the torch form.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from torch import Tensor
 
 from dflash2.reference.config import TargetConfig
 
+from ..kernels.gdn_prefill import fla_available, gated_delta_rule_prefill_fla
+from ..kernels.gdn_recurrent import gated_delta_rule_verify_triton
+from ..kernels.triton_compat import use_triton
 from .norm import gated_rms_norm
 from .params import Params
 from .pools import GDNSlots
@@ -81,6 +86,24 @@ def gated_delta_rule_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
         if row_states is not None:
             row_states[:meta.num_seqs, t] = s
     return meta.unpad(torch.stack(outputs, dim=1)), s
+
+
+def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, meta: StepMeta,
+                     row_states: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``gated_delta_rule_torch``'s contract, by the kernels on CUDA.
+
+    Decode and verify steps (and any fp32 step) run the Triton recurrence, which fills the verify
+    scratch row by row; the final state it returns on a verify step is the scratch row
+    ``Tq - 1``, as the torch form's. Prefill steps of a bf16/fp16 model run fla's chunked
+    kernels where flash-linear-attention is installed, else the same Triton recurrence.
+    """
+    if not use_triton(q, k, v, state):
+        return gated_delta_rule_torch(q, k, v, g, beta, state, meta, row_states)
+    if row_states is None and meta.max_query_len > 1 and v.dtype != torch.float32 and fla_available():
+        return gated_delta_rule_prefill_fla(q, k, v, g, beta, state, meta.cu_seqlens)
+    o, final = gated_delta_rule_verify_triton(q, k, v, g, beta, state, meta.cu_seqlens, meta.max_query_len,
+                                              row_states=row_states, output_final_state=row_states is None)
+    return o, (final if row_states is None else row_states[:meta.num_seqs, meta.max_query_len - 1])
 
 
 class FastGDN:

@@ -1,10 +1,13 @@
 """The hook for GPU kernels: every compute op the fast models call that a kernel may replace.
 
 The models never call these functions directly; they call the fields of the :class:`ModelOps`
-they were built with. :data:`TORCH_OPS` holds the plain torch forms (CPU and CUDA, the forms the
-conformance tests hold to the reference). ``fast/kernels/`` provides a ``ModelOps`` with Triton
-kernels of the same signatures (token-major rows at the boundary, :class:`StepMeta` for the
-sequence layout), e.g. ``replace(TORCH_OPS, gated_delta_rule=triton_gated_delta_rule)``.
+they were built with. :data:`TORCH_OPS` holds the default ops: the plain torch forms (CPU and
+CUDA, the forms the conformance tests hold to the reference), except where an op has a kernel,
+whose default sends CUDA tensors to it and everything else to the torch form
+(``gated_delta_rule``: fast/kernels/gdn_recurrent.py and gdn_prefill.py). Other kernels plug in
+with the same signatures (token-major rows at the boundary, :class:`StepMeta` for the sequence
+layout), e.g. ``replace(TORCH_OPS, paged_attention=triton_paged_attention)``;
+``replace(TORCH_OPS, gated_delta_rule=gated_delta_rule_torch)`` keeps the torch form on CUDA too.
 
 - ``paged_attention(q [N, H, D], key_cache [S, Hkv, D], value_cache [S, Hkv, D], meta) -> [N, H, D]``
 - ``causal_conv1d(x [N, Cd], conv_state [B, Cd, K-1], weight [Cd, K], meta) -> (silu(y) [N, Cd], state [B, Cd, K-1])``
@@ -19,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .attention import paged_attention_torch
-from .gdn import causal_conv1d_torch, gated_delta_rule_torch
+from .gdn import causal_conv1d_torch, gated_delta_rule
 from .moe import moe_experts_torch
 
 
@@ -27,7 +30,7 @@ from .moe import moe_experts_torch
 class ModelOps:
     paged_attention: Callable = paged_attention_torch
     causal_conv1d: Callable = causal_conv1d_torch
-    gated_delta_rule: Callable = gated_delta_rule_torch
+    gated_delta_rule: Callable = gated_delta_rule
     moe_experts: Callable = moe_experts_torch
 
 

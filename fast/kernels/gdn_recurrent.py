@@ -1,0 +1,196 @@
+"""The gated delta rule row by row, for decode and verify steps, twin of
+``reference/delta_rule.gated_delta_rule_recurrent``.
+
+B sequences; sequence b owns rows ``cu_seqlens[b] .. cu_seqlens[b+1]-1`` (at most ``max_rows``:
+1 for decode, k+1 for verify). Per value head h (key head ``h // (Hv / Hk)``), from the state
+``S [Dk, Dv]``, each row t does::
+
+    S'_t = exp(g_t) S_{t-1};   u_t = beta_t (v_t - S'_t^T k_t);   S_t = S'_t + k_t u_t^T;   o_t = S_t^T q_t
+
+Inputs as ``ModelOps.gated_delta_rule`` receives them: q, k ``[N, Hk, Dk]`` already L2-normalised,
+q already scaled by ``Dk^-1/2``; v ``[N, Hv, Dv]``; g (log-decay), beta ``[N, Hv]``. Any float
+dtype in; all arithmetic in fp32; o ``[N, Hv, Dv]`` fp32.
+
+State in: ``initial_state`` fp32 ``[S, Hv, Dk, Dv]``; sequence b starts from row
+``state_index[b]`` of it (default b; a negative index starts from zeros and reads nothing, so a
+NaN there cannot leak). State out, either or both:
+
+- ``row_states`` (verify capture): fp32 ``[>= B, >= max_rows, Hv, Dk, Dv]`` receives the state
+  after every row r < ``max_rows`` at ``[b, r]``; rows of a sequence shorter than ``max_rows``
+  carry its final state on (as the torch path does). Nothing else in it is written; the slots
+  are never touched (the engine's commit installs the state it keeps).
+- ``output_final_state``: the state after each sequence's last row, fp32 ``[B, Hv, Dk, Dv]``.
+
+``gated_delta_rule_verify_torch`` pads the rows to ``[B, max_rows]`` and loops (CPU, or any
+device as a fallback). ``gated_delta_rule_verify_triton``: one program per (sequence, value head,
+Dv block of ``block_v``) keeps its ``[Dk, block_v]`` slice of the state in registers and walks
+the rows (the row count is a constexpr: ``max_rows`` itself up to 16, else the next power of two,
+so a prefill of any length compiles a handful of variants; rows past a sequence's end are masked
+to g = 0, beta = 0, k = 0, which leaves the state exactly unchanged). The products are
+elementwise with fp32 reductions over Dk, no tensor cores, so fp32 inputs match the reference to
+rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .triton_compat import tl, triton
+
+EXACT_ROWS = 16  # up to this many rows the loop length is max_rows itself; above, the next power of two
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, cu_seqlens: Tensor,
+           max_rows: int, state_index: Tensor | None, row_states: Tensor | None) -> int:
+    rows, key_heads, key_dim = q.shape
+    _, value_heads, value_dim = v.shape
+    batch = cu_seqlens.shape[0] - 1
+    if k.shape != q.shape or v.shape[0] != rows or value_heads % key_heads:
+        raise ValueError(f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: expected [N, Hk, Dk] twice "
+                         f"and [N, Hv, Dv] with Hk dividing Hv")
+    if g.shape != (rows, value_heads) or beta.shape != g.shape:
+        raise ValueError(f"g {list(g.shape)}, beta {list(beta.shape)}: expected [{rows}, {value_heads}]")
+    if initial_state.dim() != 4 or initial_state.shape[1:] != (value_heads, key_dim, value_dim):
+        raise ValueError(f"initial_state {list(initial_state.shape)}: expected [S, {value_heads}, {key_dim}, "
+                         f"{value_dim}]")
+    if batch < 0 or max_rows < 1:
+        raise ValueError(f"cu_seqlens {list(cu_seqlens.shape)}, max_rows={max_rows}: expected [B+1] and >= 1")
+    if state_index is None and initial_state.shape[0] < batch:
+        raise ValueError(f"initial_state has {initial_state.shape[0]} states for {batch} sequences")
+    if state_index is not None and state_index.shape != (batch,):
+        raise ValueError(f"state_index {list(state_index.shape)}: expected [{batch}]")
+    if row_states is not None:
+        if (row_states.dim() != 5 or row_states.shape[0] < batch or row_states.shape[1] < max_rows
+                or row_states.shape[2:] != initial_state.shape[1:] or row_states.dtype != torch.float32):
+            raise ValueError(f"row_states {list(row_states.shape)} {row_states.dtype}: expected fp32 [>= {batch}, "
+                             f">= {max_rows}, {value_heads}, {key_dim}, {value_dim}]")
+    return batch
+
+
+def gated_delta_rule_verify_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
+                                  cu_seqlens: Tensor, max_rows: int, *, state_index: Tensor | None = None,
+                                  row_states: Tensor | None = None, output_final_state: bool = True,
+                                  block_v: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """q, k [N, Hk, Dk], v [N, Hv, Dv], g, beta [N, Hv], initial_state fp32 [S, Hv, Dk, Dv], cu_seqlens [B+1]
+    (at most ``max_rows`` rows each). Returns ``(o [N, Hv, Dv] fp32, final state [B, Hv, Dk, Dv] fp32 or None)``;
+    fills ``row_states[:B, :max_rows]`` when given. ``block_v`` is the Triton launcher's and unused here."""
+    batch = _check(q, k, v, g, beta, initial_state, cu_seqlens, max_rows, state_index, row_states)
+    rows, value_heads = v.shape[:2]
+    ratio = value_heads // q.shape[1]
+    cu = cu_seqlens.long()
+    seq_index = torch.searchsorted(cu[1:], torch.arange(rows, device=q.device), right=True)  # [N]
+    row_in_seq = torch.arange(rows, device=q.device) - cu[seq_index]
+
+    def pad(x: Tensor) -> Tensor:  # [N, ...] -> [B, max_rows, ...], zeros past each sequence's rows
+        out = x.new_zeros((batch, max_rows, *x.shape[1:]))
+        out[seq_index, row_in_seq] = x
+        return out
+
+    q, k = (pad(t.float().repeat_interleave(ratio, dim=1)) for t in (q, k))  # [B, R, Hv, Dk]
+    v, g, beta = (pad(t.float()) for t in (v, g, beta))  # [B, R, Hv, Dv], [B, R, Hv] x2
+    if state_index is None:
+        s = initial_state[:batch].float().clone()  # [B, Hv, Dk, Dv]
+    else:
+        readable = state_index >= 0
+        s = torch.where(readable[:, None, None, None], initial_state[state_index.clamp(min=0)].float(), 0.0)
+    outputs = []
+    for t in range(max_rows):
+        s = torch.exp(g[:, t])[..., None, None] * s  # S'_t
+        predicted = torch.einsum("bhkv,bhk->bhv", s, k[:, t])  # S'_t^T k_t        [B, Hv, Dv]
+        u = beta[:, t, :, None] * (v[:, t] - predicted)  # u_t                       [B, Hv, Dv]
+        s = s + k[:, t, :, :, None] * u[:, :, None, :]  # S_t                        [B, Hv, Dk, Dv]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))  # o_t = S_t^T q_t
+        if row_states is not None:
+            row_states[:batch, t] = s
+    o = torch.stack(outputs, dim=1)[seq_index, row_in_seq]  # [N, Hv, Dv]
+    return o, (s if output_final_state else None)
+
+
+# -- Triton ---------------------------------------------------------------------------------------
+
+@triton.jit
+def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, state_index_ptr, cu_ptr, o_ptr,
+                          final_ptr, rows_ptr, stride_q, stride_k, stride_v, stride_g, stride_beta, stride_h0,
+                          stride_rows_b, stride_rows_r, max_rows,
+                          ROWS: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr,
+                          DV: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
+                          USE_STATE_INDEX: tl.constexpr, CAPTURE: tl.constexpr, STORE_FINAL: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    key_head = h // RATIO
+    dk = tl.arange(0, DK_PAD)
+    in_k = dk < DK
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_v = dv < DV
+    in_s = in_k[:, None] & in_v[None, :]
+    s_offs = h * (DK * DV) + dk[:, None] * DV + dv[None, :]  # within one [Hv, Dk, Dv] state
+
+    bos = tl.load(cu_ptr + b).to(tl.int64)
+    seq_len = tl.load(cu_ptr + b + 1).to(tl.int64) - bos
+    if USE_STATE_INDEX:
+        state_row = tl.load(state_index_ptr + b).to(tl.int64)
+        s = tl.load(h0_ptr + tl.maximum(state_row, 0) * stride_h0 + s_offs, mask=in_s & (state_row >= 0),
+                    other=0.0).to(tl.float32)
+    else:
+        s = tl.load(h0_ptr + b.to(tl.int64) * stride_h0 + s_offs, mask=in_s, other=0.0).to(tl.float32)
+
+    for r in range(ROWS):
+        active = r < seq_len  # rows past the sequence: g = beta = k = 0 leaves S exactly as it is
+        n = bos + r
+        q = tl.load(q_ptr + n * stride_q + key_head * DK + dk, mask=in_k & active, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + n * stride_k + key_head * DK + dk, mask=in_k & active, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + n * stride_v + h * DV + dv, mask=in_v & active, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + n * stride_g + h, mask=active, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + n * stride_beta + h, mask=active, other=0.0).to(tl.float32)
+        s = s * tl.exp(g)  # S'_t
+        u = beta * (v - tl.sum(s * k[:, None], axis=0))  # u_t = beta_t (v_t - S'_t^T k_t)   [BLOCK_V]
+        s = s + k[:, None] * u[None, :]  # S_t = S'_t + k_t u_t^T
+        o = tl.sum(s * q[:, None], axis=0)  # o_t = S_t^T q_t
+        tl.store(o_ptr + n * (HV * DV) + h * DV + dv, o, mask=in_v & active)
+        if CAPTURE:
+            tl.store(rows_ptr + b.to(tl.int64) * stride_rows_b + r * stride_rows_r + s_offs, s,
+                     mask=in_s & (r < max_rows))
+    if STORE_FINAL:
+        tl.store(final_ptr + b.to(tl.int64) * (HV * DK * DV) + s_offs, s, mask=in_s)
+
+
+def _rows_ok(t: Tensor) -> Tensor:
+    """``t`` itself when its last two axes are dense ([row stride, D, 1]), else a contiguous copy."""
+    return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
+
+
+def gated_delta_rule_verify_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
+                                   cu_seqlens: Tensor, max_rows: int, *, state_index: Tensor | None = None,
+                                   row_states: Tensor | None = None, output_final_state: bool = True,
+                                   block_v: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """``gated_delta_rule_verify_torch`` by the Triton kernel (same arguments and result); ``block_v``
+    (a power of two) is the Dv slice each program keeps, default ``min(32, next_power_of_2(Dv))``."""
+    batch = _check(q, k, v, g, beta, initial_state, cu_seqlens, max_rows, state_index, row_states)
+    rows, value_heads, value_dim = v.shape
+    key_heads, key_dim = q.shape[1:]
+    q, k, v = (_rows_ok(t) for t in (q, k, v))
+    g, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, beta))
+    if initial_state.dtype != torch.float32 or not initial_state[0:1].is_contiguous():
+        raise ValueError("initial_state: expected fp32 with dense [Hv, Dk, Dv] states")
+    if row_states is not None and not row_states[0, 0:1].is_contiguous():
+        raise ValueError("row_states: expected dense [Hv, Dk, Dv] states")
+    block_v = min(32, triton.next_power_of_2(value_dim)) if block_v is None else block_v
+    o = torch.empty((rows, value_heads, value_dim), dtype=torch.float32, device=q.device)
+    final = (torch.empty((batch, value_heads, key_dim, value_dim), dtype=torch.float32, device=q.device)
+             if output_final_state else None)
+    if batch == 0:
+        return o, final
+    dummy = o  # stands in for the pointers a constexpr switch leaves unread
+    _gdn_recurrent_kernel[(batch, value_heads, triton.cdiv(value_dim, block_v))](
+        q, k, v, g, beta, initial_state,
+        dummy if state_index is None else state_index.to(torch.int64).contiguous(),
+        cu_seqlens.contiguous(), o, dummy if final is None else final, dummy if row_states is None else row_states,
+        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), initial_state.stride(0),
+        0 if row_states is None else row_states.stride(0), 0 if row_states is None else row_states.stride(1),
+        max_rows,
+        ROWS=max_rows if max_rows <= EXACT_ROWS else triton.next_power_of_2(max_rows), HV=value_heads,
+        RATIO=value_heads // key_heads, DK=key_dim, DV=value_dim, DK_PAD=triton.next_power_of_2(key_dim),
+        BLOCK_V=block_v, USE_STATE_INDEX=state_index is not None, CAPTURE=row_states is not None,
+        STORE_FINAL=final is not None)
+    return o, final
