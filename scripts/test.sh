@@ -5,4 +5,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-python -m pytest -q "$@"
+gpu_only=()
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || gpu_only=(-m "not gpu")
+python -m pytest -q "${gpu_only[@]}" "$@"

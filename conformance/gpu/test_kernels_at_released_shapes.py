@@ -21,7 +21,9 @@ from dflash2.fast.kernels.selector import select_torch, select_triton
 from dflash2.reference.rng import Purpose
 from dflash2.reference.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes run in the GPU lane")
+# the CPU lane deselects these (scripts/test.sh: -m "not gpu"); the GPU lane runs them
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes run in the GPU lane")]
 
 V, K_SEL, RANK, HIDDEN, BLOCK, K = 248320, 16, 256, 5120, 8, 7
 

@@ -16,6 +16,7 @@ from ops_helpers import NUMERIC_BOUND
 from dflash2.fast.kernels.gdn_prefill import fla_unavailable_reason, gated_delta_rule_prefill_fla
 from dflash2.reference.delta_rule import gated_delta_rule_recurrent
 
+pytestmark = pytest.mark.gpu  # the CPU lane deselects it (scripts/test.sh); the GPU lane runs it
 needs_fla = pytest.mark.skipif(fla_unavailable_reason() is not None,
                                reason=f"needs CUDA and flash-linear-attention (the GPU lane carries its wheels): "
                                       f"{fla_unavailable_reason()}")
