@@ -121,8 +121,11 @@ def _scan_index(path: Path, index_file: Path) -> dict[str, TensorInfo]:
 
 
 def load_target(model_path: str | Path,
-                dtype: torch.dtype = torch.float32) -> tuple[TargetConfig, dict[str, torch.Tensor]]:
+                dtype: torch.dtype | None = torch.float32) -> tuple[TargetConfig, dict[str, torch.Tensor]]:
     """Read a target checkpoint folder: its validated config and every canonical tensor in ``dtype``.
+
+    ``dtype=None`` keeps each tensor as stored (an engine casts per tensor itself; a bf16
+    checkpoint then takes half the host memory of an fp32 copy).
 
     Tied embeddings give ``lm_head.weight`` and ``embed_tokens.weight`` the same tensor object.
     """
@@ -273,8 +276,8 @@ def _prefix_hint(cfg: TargetConfig, stored: dict[str, TensorInfo]) -> str:
 
 
 def _materialize(recipes: dict[str, _Recipe], stored: dict[str, TensorInfo],
-                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read the tensors the recipes name, one open handle per shard, converted to ``dtype``."""
+                 dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Read the tensors the recipes name, one open handle per shard, converted to ``dtype`` (None: as stored)."""
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
 
@@ -282,7 +285,8 @@ def _materialize(recipes: dict[str, _Recipe], stored: dict[str, TensorInfo],
             file = stored[disk_name].file
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(file, framework="pt"))
-            return handles[file].get_tensor(disk_name).to(dtype)
+            tensor = handles[file].get_tensor(disk_name)
+            return tensor if dtype is None else tensor.to(dtype)
 
         tensors: dict[str, torch.Tensor] = {}
         for canonical, recipe in recipes.items():

@@ -52,7 +52,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     cfg = config.resolved()
     torch.manual_seed(cfg.seed)
     device, dtype = torch.device(cfg.device), cfg.torch_dtype
-    target_cfg, weights = load_target(cfg.model_path)
+    target_cfg, weights = load_target(cfg.model_path, dtype=None)  # as stored: the model casts per tensor
     max_model_len = cfg.max_model_len or target_cfg.max_position_embeddings
     expect(max_model_len <= target_cfg.max_position_embeddings, ConfigError, "max_model_len", max_model_len,
            f"at most the model's context of {target_cfg.max_position_embeddings} tokens")

@@ -204,3 +204,15 @@ def test_fp16_checkpoint_loads_converted(copy_of):
     _, weights = load_target(path)
     assert torch.equal(weights["norm.weight"], tensors["model.language_model.norm.weight"].half().float())
     assert weights["norm.weight"].dtype == torch.float32
+
+
+def test_dtype_none_keeps_each_tensor_as_stored(tmp_path):
+    from dflash2.reference.checkpoint import load_target
+    from dflash2.reference.factory import write_tiny_target
+
+    path = write_tiny_target(tmp_path / "t", "tiny-dense-text", tokenizer=None)  # bf16 with F32 A_log, like releases
+    _, stored = load_target(path, dtype=None)
+    _, fp32 = load_target(path)
+    assert stored["layers.0.linear_attn.in_proj_qkv.weight"].dtype == torch.bfloat16
+    assert stored["layers.0.linear_attn.A_log"].dtype == torch.float32
+    assert all(torch.equal(stored[name].float(), fp32[name]) for name in fp32)
