@@ -33,6 +33,8 @@ import warnings
 import torch
 from torch import Tensor
 
+from .gdn_recurrent import check_gdn_inputs
+
 
 @functools.cache
 def fla_unavailable_reason() -> str | None:
@@ -66,17 +68,10 @@ def gated_delta_rule_prefill_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, bet
                                  cu_seqlens: Tensor, *, state_index: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """q, k [N, Hk, Dk], v [N, Hv, Dv] (bf16 or fp16), g, beta [N, Hv], initial_state fp32 [S, Hv, Dk, Dv],
     cu_seqlens [B+1] on CUDA. Returns ``(o [N, Hv, Dv] fp32, final states [B, Hv, Dk, Dv] fp32)``."""
+    check_gdn_inputs(q, k, v, g, beta, initial_state)
     rows, key_heads, key_dim = q.shape
     _, value_heads, value_dim = v.shape
     batch = cu_seqlens.shape[0] - 1
-    if k.shape != q.shape or v.shape[0] != rows or value_heads % key_heads:
-        raise ValueError(f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: expected [N, Hk, Dk] twice "
-                         f"and [N, Hv, Dv] with Hk dividing Hv")
-    if g.shape != (rows, value_heads) or beta.shape != g.shape:
-        raise ValueError(f"g {list(g.shape)}, beta {list(beta.shape)}: expected [{rows}, {value_heads}]")
-    if initial_state.dim() != 4 or initial_state.shape[1:] != (value_heads, key_dim, value_dim):
-        raise ValueError(f"initial_state {list(initial_state.shape)}: expected [S, {value_heads}, {key_dim}, "
-                         f"{value_dim}]")
     if v.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"v is {v.dtype}: the fla chunked path is for bf16/fp16 (its tf32 products miss the "
                          f"fp32 bound); use gdn_recurrent for fp32")

@@ -41,11 +41,10 @@ from .triton_compat import tl, triton
 EXACT_ROWS = 16  # up to this many rows the loop length is max_rows itself; above, the next power of two
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, cu_seqlens: Tensor,
-           max_rows: int, state_index: Tensor | None, row_states: Tensor | None) -> int:
+def check_gdn_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor) -> None:
+    """The shapes both GDN kernels take: q, k [N, Hk, Dk], v [N, Hv, Dv], g, beta [N, Hv], states [S, Hv, Dk, Dv]."""
     rows, key_heads, key_dim = q.shape
     _, value_heads, value_dim = v.shape
-    batch = cu_seqlens.shape[0] - 1
     if k.shape != q.shape or v.shape[0] != rows or value_heads % key_heads:
         raise ValueError(f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: expected [N, Hk, Dk] twice "
                          f"and [N, Hv, Dv] with Hk dividing Hv")
@@ -54,6 +53,14 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_sta
     if initial_state.dim() != 4 or initial_state.shape[1:] != (value_heads, key_dim, value_dim):
         raise ValueError(f"initial_state {list(initial_state.shape)}: expected [S, {value_heads}, {key_dim}, "
                          f"{value_dim}]")
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, cu_seqlens: Tensor,
+           max_rows: int, state_index: Tensor | None, row_states: Tensor | None) -> int:
+    check_gdn_inputs(q, k, v, g, beta, initial_state)
+    rows, key_heads, key_dim = q.shape
+    _, value_heads, value_dim = v.shape
+    batch = cu_seqlens.shape[0] - 1
     if batch < 0 or max_rows < 1:
         raise ValueError(f"cu_seqlens {list(cu_seqlens.shape)}, max_rows={max_rows}: expected [B+1] and >= 1")
     if state_index is None and initial_state.shape[0] < batch:
