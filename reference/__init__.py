@@ -52,5 +52,7 @@ Speculative decoding
     verify             greedy prefix match and sparse-q rejection, with untrusted-row handling
     speculative        the loop for one request: propose, verify, GDN rollback by replay, observe
     generate           plain decoding, the baseline; prompt checks and the first token
+    stopping           when a request ends (stop ids, stop strings, max_tokens): shared with the engine
+    trace              the ``--trace`` record of one verify step: shared with the engine
     runner             a checkpoint folder to decoding: what ``ft generate --engine reference`` runs
 """
