@@ -74,29 +74,38 @@ class ModelRunner:
 
     def build_batch(self, reqs: Sequence[Req], starts: Sequence[int], lengths: Sequence[int], token_ids: Tensor,
                     *, is_verify: bool, logits_rows: Sequence[int], block_tables: Tensor | None = None) -> ForwardBatch:
-        """Sequence b runs ``lengths[b]`` rows at positions ``starts[b]..``; ``token_ids [N]`` on the device."""
-        positions, kv_slots, cu = [], [], [0]
-        page_size = self.page_size
-        for req, start, length in zip(reqs, starts, lengths):
-            for p in range(start, start + length):
-                positions.append(p)
-                kv_slots.append(req.pages[p // page_size] * page_size + p % page_size)
-            cu.append(cu[-1] + length)
+        """Sequence b runs ``lengths[b]`` rows at positions ``starts[b]..``; ``token_ids [N]`` on the device.
+
+        Built on the host as whole tensors (no loop over rows), then copied to the device once.
+        """
+        host_tables = self._page_table(reqs)  # [B, P] int64 on the host
+        starts_t, lengths_t = torch.tensor(starts), torch.tensor(lengths)
+        cu = torch.zeros(len(reqs) + 1, dtype=torch.long)
+        cu[1:] = lengths_t.cumsum(0)
+        seq = torch.repeat_interleave(torch.arange(len(reqs)), lengths_t)  # [N] the sequence of each row
+        positions = starts_t[seq] + torch.arange(int(cu[-1])) - cu[:-1][seq]  # [N]
+        kv_slots = host_tables[seq, positions // self.page_size] * self.page_size + positions % self.page_size
+        to_device = {"device": self.device}
         return ForwardBatch(
-            token_ids=token_ids, positions=self._tensor(positions), cu_seqlens=self._tensor(cu, torch.int32),
-            state_slots=self._tensor([r.slot for r in reqs]), kv_slot_mapping=self._tensor(kv_slots),
-            block_tables=self.block_tables(reqs) if block_tables is None else block_tables,
-            context_lens=self._tensor([s + n for s, n in zip(starts, lengths)]), is_verify=is_verify,
+            token_ids=token_ids, positions=positions.to(**to_device), cu_seqlens=cu.to(torch.int32).to(**to_device),
+            state_slots=self._tensor([r.slot for r in reqs]), kv_slot_mapping=kv_slots.to(**to_device),
+            block_tables=host_tables.to(torch.int32).to(**to_device) if block_tables is None else block_tables,
+            context_lens=(starts_t + lengths_t).to(**to_device), is_verify=is_verify,
             logits_rows=self._tensor(list(logits_rows)), max_query_len=max(lengths))
 
+    @staticmethod
+    def _page_table(reqs: Sequence[Req], min_pages: int = 0) -> Tensor:
+        """Each request's pages in order, -1 past its end  # [B, max_pages] int64 on the host."""
+        max_pages = max(min_pages, *(len(r.pages) for r in reqs))
+        return torch.tensor([r.pages + [-1] * (max_pages - len(r.pages)) for r in reqs], dtype=torch.long)
+
     def block_tables(self, reqs: Sequence[Req], min_pages: int = 0) -> Tensor:
-        """Each request's pages in order, -1 past its end  # [B, max_pages] int32.
+        """Each request's pages in order, -1 past its end  # [B, max_pages] int32 on the device.
 
         ``min_pages`` widens the table: a proposer may address positions a request with fewer drafts
         than the batch never reaches (an MTP chain runs the batch's k); -1 there writes nothing.
         """
-        max_pages = max(min_pages, *(len(r.pages) for r in reqs))
-        return self._tensor([r.pages + [-1] * (max_pages - len(r.pages)) for r in reqs], torch.int32)
+        return self._page_table(reqs, min_pages).to(dtype=torch.int32, device=self.device)
 
     def _no_drafts(self, batch: int) -> DraftProposal:
         """A proposal of k = 0 drafts (every request of the step has one token left)."""
