@@ -17,6 +17,7 @@ Formats (shared with the fast engine)
     weights            the canonical target tensor names and shapes (the loader/model contract)
     checkpoint         target safetensors (flat, wrapper, sharded, fused or per-expert) -> canonical
     factory            tiny random targets written in the real Qwen3.5 HF format
+    tiny_weights       their random canonical weights (scales that keep them non-degenerate) and disk layout
     tokenizer          loading a folder's tokenizer as both engines do; fit and EOS checks
     tokenizer_factory  tokenizer files for tiny checkpoints (small BPE, or the real Qwen3.5 BPE)
     chat_template      the ChatML chat template with Qwen3.5's thinking rules

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # reference modules the fast engine may use: formats, validation and shared parameters, no compute
 SHARED_REFERENCE_MODULES = {
-    "config", "weights", "errors", "checkpoint", "factory", "tokenizer", "tokenizer_factory",
+    "config", "weights", "errors", "checkpoint", "factory", "tiny_weights", "tokenizer", "tokenizer_factory",
     "sampling_params", "rng", "stopping", "trace", "draft_config", "draft_checkpoint", "draft_factory",
 }
 # the CLI's ``--engine reference`` deliberately dispatches to the executable spec

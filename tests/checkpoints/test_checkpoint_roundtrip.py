@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash2.reference.checkpoint import INDEX_FILE, SINGLE_FILE, list_checkpoint_tensors, load_target
-from dflash2.reference.factory import (KEEP_FP32_SUFFIXES, PRESETS, TinyTargetSpec, describe, tiny_target_config,
+from dflash2.reference.factory import (PRESETS, TinyTargetSpec, describe, tiny_target_config,
                                        tiny_target_weights, write_tiny_target)
+from dflash2.reference.tiny_weights import KEEP_FP32_SUFFIXES
 from dflash2.reference.weights import expected_target_shapes
 
 
