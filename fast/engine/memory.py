@@ -19,7 +19,7 @@ import torch
 from dflash2.reference.draft_config import DraftConfig
 from dflash2.reference.errors import ConfigError
 
-from ..spec.ring_pool import RING_MARGIN
+from ..spec.ring_pool import RingPool, WindowPool
 from .config import EngineConfig
 from .scheduler import pages_for
 
@@ -48,12 +48,10 @@ class MemoryPlan:
 
 
 def dflash_slot_bytes(cfg: DraftConfig, dtype: torch.dtype) -> tuple[int, int]:
-    """(K/V ring, dflash_window) bytes of one request: ``fast/spec/ring_pool.py``'s W + margin rows,
-    each with an int64 position tag."""
-    rows, itemsize, tag = cfg.sliding_window + RING_MARGIN, torch.empty((), dtype=dtype).element_size(), 8
-    ring = rows * (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize + tag)
-    window = rows * (cfg.hidden_size * itemsize + tag)
-    return ring, window
+    """(K/V ring, dflash_window) bytes of one request, as ``fast/spec/ring_pool.py`` allocates them."""
+    ring = RingPool.bytes_per_slot(cfg.sliding_window, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                   cfg.head_dim, dtype)
+    return ring, WindowPool.bytes_per_slot(cfg.sliding_window, cfg.hidden_size, dtype)
 
 
 def cache_budget_bytes(cfg: EngineConfig, device: torch.device) -> int:

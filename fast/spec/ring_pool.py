@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 RING_MARGIN = 64
+TAG_BYTES = 8  # one int64 position tag per row
 NEVER_WRITTEN = -1
 
 
@@ -123,6 +124,13 @@ class RingPool(_SlotRings):
         self.k = self._fresh((num_kv_heads, head_dim), dtype, poison, num_layers)
         self.v = self._fresh((num_kv_heads, head_dim), dtype, poison, num_layers)
 
+    @staticmethod
+    def bytes_per_slot(window: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       margin: int = RING_MARGIN) -> int:
+        """One slot's K and V rows of every layer plus its int64 position tags (for memory sizing)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return (window + margin) * (2 * num_layers * num_kv_heads * head_dim * itemsize + TAG_BYTES)
+
     def write(self, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
         """Store rows of many requests: row n at ring index positions[n] mod C of slot slots[n].
 
@@ -163,6 +171,11 @@ class WindowPool(_SlotRings):
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", poison: bool = False):
         super().__init__(num_slots, window, margin, device)
         self.rows = self._fresh((hidden_size,), dtype, poison)
+
+    @staticmethod
+    def bytes_per_slot(window: int, hidden_size: int, dtype: torch.dtype, margin: int = RING_MARGIN) -> int:
+        """One slot's context rows plus its int64 position tags (for memory sizing)."""
+        return (window + margin) * (hidden_size * torch.empty((), dtype=dtype).element_size() + TAG_BYTES)
 
     def write(self, slots: Tensor, positions: Tensor, rows: Tensor) -> None:
         """Store context rows ``rows [N, hidden]`` of many requests; PAD_SLOT rows write nothing."""
