@@ -27,7 +27,7 @@ from dflash2.reference.errors import ConfigError, expect
 from .batch import ForwardBatch
 from .layer import FastDecoderLayer
 from .norm import rms_norm, zero_centred_scale
-from .ops import TORCH_OPS, ModelOps
+from .ops import DEFAULT_OPS, ModelOps
 from .params import Params
 from .pools import CachePools
 from .step import StepMeta
@@ -44,7 +44,7 @@ class FastMTP:
 
     def __init__(self, cfg: TargetConfig, weights: Mapping[str, Tensor], dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", *, target: FastTarget | None = None,
-                 ops: ModelOps = TORCH_OPS):
+                 ops: ModelOps = DEFAULT_OPS):
         expect(cfg.mtp_num_hidden_layers == 1, ConfigError, "mtp_num_hidden_layers", cfg.mtp_num_hidden_layers,
                "1 (this target has no MTP head)")
         params = Params(cfg, weights, dtype, device)

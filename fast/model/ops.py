@@ -1,13 +1,13 @@
 """The hook for GPU kernels: every compute op the fast models call that a kernel may replace.
 
 The models never call these functions directly; they call the fields of the :class:`ModelOps`
-they were built with. :data:`TORCH_OPS` holds the default ops: the plain torch forms (CPU and
+they were built with. :data:`DEFAULT_OPS` holds the default ops: the plain torch forms (CPU and
 CUDA, the forms the conformance tests hold to the reference), except where an op has a kernel,
 whose default sends CUDA tensors to it and everything else to the torch form
 (``gated_delta_rule``: fast/kernels/gdn_recurrent.py and gdn_prefill.py). Other kernels plug in
 with the same signatures (token-major rows at the boundary, :class:`StepMeta` for the sequence
-layout), e.g. ``replace(TORCH_OPS, paged_attention=triton_paged_attention)``;
-``replace(TORCH_OPS, gated_delta_rule=gated_delta_rule_torch)`` keeps the torch form on CUDA too.
+layout), e.g. ``replace(DEFAULT_OPS, paged_attention=triton_paged_attention)``;
+``replace(DEFAULT_OPS, gated_delta_rule=gated_delta_rule_torch)`` keeps the torch form on CUDA too.
 
 - ``paged_attention(q [N, H, D], key_cache [S, Hkv, D], value_cache [S, Hkv, D], meta) -> [N, H, D]``
 - ``causal_conv1d(x [N, Cd], conv_state [B, Cd, K-1], weight [Cd, K], meta) -> (silu(y) [N, Cd], state [B, Cd, K-1])``
@@ -34,4 +34,4 @@ class ModelOps:
     moe_experts: Callable = moe_experts_torch
 
 
-TORCH_OPS = ModelOps()
+DEFAULT_OPS = ModelOps()

@@ -27,7 +27,7 @@ from dflash2.reference.config import TargetConfig
 from .batch import ForwardBatch
 from .layer import FastDecoderLayer
 from .norm import rms_norm, zero_centred_scale
-from .ops import TORCH_OPS, ModelOps
+from .ops import DEFAULT_OPS, ModelOps
 from .params import Params
 from .pools import CachePools
 from .step import StepMeta
@@ -44,7 +44,7 @@ class FastTarget:
     """The fast target, built from canonical tensors (``dflash2.reference.checkpoint.load_target``)."""
 
     def __init__(self, cfg: TargetConfig, weights: Mapping[str, Tensor], dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", tap_layers: tuple[int, ...] = (), ops: ModelOps = TORCH_OPS):
+                 device: torch.device | str = "cpu", tap_layers: tuple[int, ...] = (), ops: ModelOps = DEFAULT_OPS):
         for layer in tap_layers:
             if not 0 <= layer < cfg.num_hidden_layers:
                 raise ValueError(f"tap layer {layer}: expected a layer index in [0, {cfg.num_hidden_layers})")
