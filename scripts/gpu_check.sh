@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU lane, for the device machine (H200, Python 3.12, its own torch and triton):
 #   1. make `dflash2` importable without pip (the machine has no registry): symlinks under /tmp/pkg;
-#   2. add carried wheels from .whl/ (flash-linear-attention) when present;
+#   2. add carried wheels from .whl/ (flash-linear-attention) when present; .whl/ is not in git:
+#      make it here with (and list /.whl/ in .git/info/exclude, then carry it: `carry: [".whl"]`)
+#        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#          --platform manylinux_2_28_x86_64 -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0
 #   3. run the conformance suite on CUDA (fp32 and bf16 variants live in the tests);
 #   4. run the engine benchmark;
 #   5. print a short summary table last.
