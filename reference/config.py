@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, expect
+from .errors import ConfigError, expect, positive_int
 
 DENSE_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -157,13 +157,6 @@ def _layer_types(text: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     return tuple(layer_types)
 
 
-def _positive_int(text: dict[str, Any], field: str, default: Any = None) -> int:
-    value = text.get(field, default)
-    expect(isinstance(value, int) and not isinstance(value, bool) and value > 0, ConfigError, field, value,
-           "a positive integer")
-    return value
-
-
 def _eos_ids(top: dict[str, Any], text: dict[str, Any]) -> tuple[int, ...]:
     eos = text.get("eos_token_id", top.get("eos_token_id"))
     if eos is None:
@@ -196,16 +189,16 @@ def parse_target_config(top: dict[str, Any]) -> TargetConfig:
     expect(text.get("attn_output_gate", True) is True, ConfigError, "attn_output_gate",
            text.get("attn_output_gate"), "true (Qwen3.5 gates every full-attention output)")
 
-    num_layers = _positive_int(text, "num_hidden_layers")
-    heads = _positive_int(text, "num_attention_heads")
-    kv_heads = _positive_int(text, "num_key_value_heads")
+    num_layers = positive_int(text, "num_hidden_layers")
+    heads = positive_int(text, "num_attention_heads")
+    kv_heads = positive_int(text, "num_key_value_heads")
     expect(heads % kv_heads == 0, ConfigError, "num_key_value_heads", kv_heads,
            f"a divisor of num_attention_heads={heads}")
-    k_heads = _positive_int(text, "linear_num_key_heads")
-    v_heads = _positive_int(text, "linear_num_value_heads")
+    k_heads = positive_int(text, "linear_num_key_heads")
+    v_heads = positive_int(text, "linear_num_value_heads")
     expect(v_heads % k_heads == 0, ConfigError, "linear_num_value_heads", v_heads,
            f"a multiple of linear_num_key_heads={k_heads}")
-    head_dim = _positive_int(text, "head_dim")
+    head_dim = positive_int(text, "head_dim")
     rope_theta, partial = _rope_fields(text)
     rotary_dim = int(head_dim * partial)
     expect(rotary_dim >= 2 and rotary_dim % 2 == 0, ConfigError, "rope_parameters.partial_rotary_factor", partial,
@@ -220,17 +213,17 @@ def parse_target_config(top: dict[str, Any]) -> TargetConfig:
     if is_moe:
         moe = dict(
             intermediate_size=0,
-            num_experts=_positive_int(text, "num_experts"),
-            num_experts_per_tok=_positive_int(text, "num_experts_per_tok"),
-            moe_intermediate_size=_positive_int(text, "moe_intermediate_size"),
-            shared_expert_intermediate_size=_positive_int(text, "shared_expert_intermediate_size"),
+            num_experts=positive_int(text, "num_experts"),
+            num_experts_per_tok=positive_int(text, "num_experts_per_tok"),
+            moe_intermediate_size=positive_int(text, "moe_intermediate_size"),
+            shared_expert_intermediate_size=positive_int(text, "shared_expert_intermediate_size"),
         )
         expect(moe["num_experts_per_tok"] <= moe["num_experts"], ConfigError, "num_experts_per_tok",
                moe["num_experts_per_tok"], f"at most num_experts={moe['num_experts']}")
         expect(text.get("norm_topk_prob", True) is True, ConfigError, "norm_topk_prob", text.get("norm_topk_prob"),
                "true (Qwen3.5 MoE renormalises the top-k router weights)")
     else:
-        moe = dict(intermediate_size=_positive_int(text, "intermediate_size"), num_experts=0,
+        moe = dict(intermediate_size=positive_int(text, "intermediate_size"), num_experts=0,
                    num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0)
 
     eps = text.get("rms_norm_eps", 1e-6)
@@ -238,12 +231,12 @@ def parse_target_config(top: dict[str, Any]) -> TargetConfig:
     return TargetConfig(
         model_type=model_type,
         is_moe=is_moe,
-        vocab_size=_positive_int(text, "vocab_size"),
-        hidden_size=_positive_int(text, "hidden_size"),
+        vocab_size=positive_int(text, "vocab_size"),
+        hidden_size=positive_int(text, "hidden_size"),
         num_hidden_layers=num_layers,
         layer_types=_layer_types(text, num_layers),
         rms_norm_eps=float(eps),
-        max_position_embeddings=_positive_int(text, "max_position_embeddings", 32768),
+        max_position_embeddings=positive_int(text, "max_position_embeddings", 32768),
         tie_word_embeddings=tie,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -252,9 +245,9 @@ def parse_target_config(top: dict[str, Any]) -> TargetConfig:
         partial_rotary_factor=partial,
         linear_num_key_heads=k_heads,
         linear_num_value_heads=v_heads,
-        linear_key_head_dim=_positive_int(text, "linear_key_head_dim"),
-        linear_value_head_dim=_positive_int(text, "linear_value_head_dim"),
-        linear_conv_kernel_dim=_positive_int(text, "linear_conv_kernel_dim", 4),
+        linear_key_head_dim=positive_int(text, "linear_key_head_dim"),
+        linear_value_head_dim=positive_int(text, "linear_value_head_dim"),
+        linear_conv_kernel_dim=positive_int(text, "linear_conv_kernel_dim", 4),
         mtp_num_hidden_layers=mtp_layers,
         eos_token_ids=_eos_ids(top, text),
         weight_prefix=prefix,

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import TargetConfig, read_config_json
-from .errors import ConfigError, expect
+from .errors import ConfigError, expect, is_int, positive_int
 
 DRAFT_ARCHITECTURE = "DFlash2DraftModel"
 DFLASH1_ARCHITECTURE = "DFlashDraftModel"
@@ -81,22 +81,12 @@ class DraftConfig:
         return self.hidden_size // self.conv_group_size
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_num(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
-def _positive_int(raw: dict[str, Any], field: str, prefix: str = "") -> int:
-    value = raw.get(field)
-    expect(_is_int(value) and value > 0, ConfigError, prefix + field, value, "a positive integer")
-    return value
-
-
 def _power_of_two(raw: dict[str, Any], field: str, prefix: str = "") -> int:
-    value = _positive_int(raw, field, prefix)
+    value = positive_int(raw, field, prefix=prefix)
     expect(value & (value - 1) == 0, ConfigError, prefix + field, value, "a power of two")
     return value
 
@@ -144,7 +134,7 @@ def _check_attention(raw: dict[str, Any], dflash: dict[str, Any], num_layers: in
            layer_types, f"a list of {num_layers} entries (num_hidden_layers), all 'sliding_attention'")
     for i, kind in enumerate(layer_types):
         expect(kind == "sliding_attention", ConfigError, f"layer_types[{i}]", kind, "'sliding_attention'")
-    window = _positive_int(raw, "sliding_window")
+    window = positive_int(raw, "sliding_window")
     expect(window >= block_size, ConfigError, "sliding_window", window,
            f"at least block_size={block_size}, so the window only ever clips context rows")
     if "swa_window_size" in dflash:
@@ -196,7 +186,7 @@ def _target_layer_ids(dflash: dict[str, Any], target_cfg: TargetConfig) -> tuple
     field = "dflash_config.target_layer_ids"
     ids = dflash.get("target_layer_ids")
     num_target = target_cfg.num_hidden_layers
-    expect(isinstance(ids, list) and len(ids) > 0 and all(_is_int(i) for i in ids), ConfigError, field, ids,
+    expect(isinstance(ids, list) and len(ids) > 0 and all(is_int(i) for i in ids), ConfigError, field, ids,
            "a non-empty list of target layer indices")
     expect(len(set(ids)) == len(ids), ConfigError, field, ids, "no repeated layer")
     for i in ids:
@@ -212,11 +202,11 @@ def parse_draft_config(raw: dict[str, Any], target_cfg: TargetConfig, num_steps:
     expect(isinstance(dflash, dict), ConfigError, "dflash_config", dflash, "an object with the DFlash 2 fields")
     d = "dflash_config."
 
-    num_layers = _positive_int(raw, "num_hidden_layers")
-    hidden = _positive_int(raw, "hidden_size")
+    num_layers = positive_int(raw, "num_hidden_layers")
+    hidden = positive_int(raw, "hidden_size")
     expect(hidden == target_cfg.hidden_size, ConfigError, "hidden_size", hidden,
            f"the target's hidden_size={target_cfg.hidden_size}")
-    vocab = _positive_int(raw, "vocab_size")
+    vocab = positive_int(raw, "vocab_size")
     expect(vocab == target_cfg.vocab_size, ConfigError, "vocab_size", vocab,
            f"the target's vocab_size={target_cfg.vocab_size}")
     if "draft_vocab_size" in raw:
@@ -227,13 +217,13 @@ def parse_draft_config(raw: dict[str, Any], target_cfg: TargetConfig, num_steps:
                raw["num_target_layers"], f"the target's num_hidden_layers={target_cfg.num_hidden_layers}")
 
     block_size = dflash.get("block_size", raw.get("block_size"))
-    expect(_is_int(block_size) and block_size >= 2, ConfigError, d + "block_size", block_size, "an integer >= 2")
+    expect(is_int(block_size) and block_size >= 2, ConfigError, d + "block_size", block_size, "an integer >= 2")
     mask = dflash.get("mask_token_id")
-    expect(_is_int(mask) and 0 <= mask < target_cfg.vocab_size, ConfigError, d + "mask_token_id", mask,
+    expect(is_int(mask) and 0 <= mask < target_cfg.vocab_size, ConfigError, d + "mask_token_id", mask,
            f"a token id of the target's vocabulary, 0 .. {target_cfg.vocab_size - 1}")
 
-    heads = _positive_int(raw, "num_attention_heads")
-    kv_heads = _positive_int(raw, "num_key_value_heads")
+    heads = positive_int(raw, "num_attention_heads")
+    kv_heads = positive_int(raw, "num_key_value_heads")
     expect(heads % kv_heads == 0, ConfigError, "num_key_value_heads", kv_heads,
            f"a divisor of num_attention_heads={heads}")
     head_dim = _power_of_two(raw, "head_dim")
@@ -250,9 +240,9 @@ def parse_draft_config(raw: dict[str, Any], target_cfg: TargetConfig, num_steps:
     theta = _check_rope(raw)
     _check_output_scaling(raw, dflash)
 
-    taps = _positive_int(dflash, "conv_kernel_size", d)
+    taps = positive_int(dflash, "conv_kernel_size", prefix=d)
     expect(taps <= block_size, ConfigError, d + "conv_kernel_size", taps, f"at most block_size={block_size}")
-    group = _positive_int(dflash, "conv_group_size", d)
+    group = positive_int(dflash, "conv_group_size", prefix=d)
     expect(hidden % group == 0, ConfigError, d + "conv_group_size", group, f"a divisor of hidden_size={hidden}")
     rank = _power_of_two(dflash, "selector_rank", d)
     top_k = _power_of_two(dflash, "selector_top_k", d)
@@ -260,12 +250,12 @@ def parse_draft_config(raw: dict[str, Any], target_cfg: TargetConfig, num_steps:
 
     if num_steps is None:
         num_steps = block_size - 1
-    expect(_is_int(num_steps) and 1 <= num_steps <= block_size - 1, ConfigError, "speculative_num_steps",
+    expect(is_int(num_steps) and 1 <= num_steps <= block_size - 1, ConfigError, "speculative_num_steps",
            num_steps, f"an integer in 1 .. block_size - 1 = {block_size - 1}")
 
     return DraftConfig(
         hidden_size=hidden,
-        intermediate_size=_positive_int(raw, "intermediate_size"),
+        intermediate_size=positive_int(raw, "intermediate_size"),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,

@@ -24,6 +24,19 @@ class RequestError(UserInputError):
     """A generation request with an invalid parameter (prompt, sampling, length)."""
 
 
+def is_int(value) -> bool:
+    """An int that is not a bool (JSON ``true`` parses as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(fields: dict, field: str, default=None, prefix: str = "",
+                 error: type[UserInputError] = ConfigError) -> int:
+    """``fields[field]`` (or ``default``) as a positive integer; ``prefix`` names the enclosing block."""
+    value = fields.get(field, default)
+    expect(is_int(value) and value > 0, error, prefix + field, value, "a positive integer")
+    return value
+
+
 def expect(condition: bool, error: type[UserInputError], field: str, value, expected: str) -> None:
     """Raise ``error`` saying ``field`` was ``value`` where ``expected`` was wanted."""
     if not condition:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .errors import RequestError, expect
+from .errors import RequestError, expect, is_int
 
 TOP_K_OFF = -1
 
@@ -40,9 +40,6 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     def validate(self) -> None:
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
         def is_num(v) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 

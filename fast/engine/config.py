@@ -15,17 +15,13 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from dflash2.reference.errors import ConfigError, expect
+from dflash2.reference.errors import ConfigError, expect, is_int
 
 SPECULATIVE_ALGORITHMS = ("none", "mtp", "dflash")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 AUTO = "auto"
 MiB = 1 << 20
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -68,11 +64,11 @@ class EngineConfig:
                ConfigError, "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
         for name in ("max_running_req", "max_num_batched_tokens", "page_size", "cpu_cache_bytes"):
             value = getattr(self, name)
-            expect(_is_int(value) and value >= 1, ConfigError, name, value, "an integer >= 1")
+            expect(is_int(value) and value >= 1, ConfigError, name, value, "an integer >= 1")
         ratio = self.memory_ratio
         expect(isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1, ConfigError,
                "memory_ratio", ratio, "a number in (0, 1]")
-        expect(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2), ConfigError,
+        expect(self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len >= 2), ConfigError,
                "max_model_len", self.max_model_len, "None (the model's context) or an integer >= 2")
         expect(self.speculative_algorithm in SPECULATIVE_ALGORITHMS, ConfigError, "speculative_algorithm",
                self.speculative_algorithm, f"one of {SPECULATIVE_ALGORITHMS}")
@@ -82,10 +78,10 @@ class EngineConfig:
         if self.speculative_algorithm == "none" and self.speculative_num_steps is not None:
             raise ConfigError(f"speculative_num_steps={self.speculative_num_steps!r}: only used with "
                               "speculative_algorithm 'mtp' or 'dflash'")
-        expect(self.speculative_num_steps is None or _is_int(self.speculative_num_steps), ConfigError,
+        expect(self.speculative_num_steps is None or is_int(self.speculative_num_steps), ConfigError,
                "speculative_num_steps", self.speculative_num_steps, "None or an integer (its range is checked at "
                "startup: >= 1 for mtp, 1 .. block_size - 1 for dflash)")
-        expect(_is_int(self.seed) and 0 <= self.seed < 2**63, ConfigError, "seed", self.seed,
+        expect(is_int(self.seed) and 0 <= self.seed < 2**63, ConfigError, "seed", self.seed,
                "an integer in [0, 2^63)")
 
     def resolved(self) -> EngineConfig:
