@@ -2,7 +2,7 @@
 
 torch runs single-threaded in tests: the models here are tiny, and on a 2-core machine with
 anything else running, OpenMP's spinning worker threads made the reference 20x slower
-(0.19 s vs 4.3 s for one speculative run of tests/spec, measured side by side).
+(0.19 s vs 4.3 s for one speculative run of tests/speculative/loop, measured side by side).
 
 Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors (conformance/ops):
 ``triton.jit`` reads TRITON_INTERPRET when a kernel module is first imported, and test modules

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from dflash2.fast.llm import LLM, SamplingParams
-from dflash2.reference.draft_factory import write_tiny_draft
-from dflash2.reference.factory import TinyTargetSpec, write_tiny_target
+from dflash2.reference.tiny.draft import write_tiny_draft
+from dflash2.reference.tiny.target import TinyTargetSpec, write_tiny_target
 
 SHAPE = dict(kind="dense", vocab_size=32000, hidden_size=2048, num_layers=8, full_attention_interval=4,
              num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,

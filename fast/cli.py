@@ -17,8 +17,8 @@ import sys
 from dataclasses import fields
 from typing import Sequence
 
-from dflash2.reference.errors import UserInputError
-from dflash2.reference.sampling_params import SamplingParams
+from dflash2.reference.formats.errors import UserInputError
+from dflash2.reference.request.sampling_params import SamplingParams
 
 from .engine.config import add_engine_args
 
@@ -65,7 +65,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
-    from dflash2.reference.factory import PRESETS
+    from dflash2.reference.tiny.target import PRESETS
 
     p = sub.add_parser("make-tiny", help="write a tiny random checkpoint in real HF format")
     p.add_argument("--out", required=True, help="folder to write (created)")
@@ -78,7 +78,7 @@ def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
 def _run_make_tiny(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from dflash2.reference.factory import PRESETS, write_tiny_target
+    from dflash2.reference.tiny.target import PRESETS, write_tiny_target
 
     spec = PRESETS[args.preset]
     if args.seed is not None:
@@ -86,7 +86,7 @@ def _run_make_tiny(args: argparse.Namespace) -> int:
     path = write_tiny_target(args.out, spec)
     print(f"wrote {args.preset} to {path}")
     if args.draft_out:
-        from dflash2.reference.draft_factory import write_tiny_draft
+        from dflash2.reference.tiny.draft import write_tiny_draft
 
         draft = write_tiny_draft(args.draft_out, path, seed=spec.seed)
         print(f"wrote a DFlash 2 draft for it to {draft}")
@@ -113,7 +113,7 @@ def _open_trace(path: str):
 def _run_generate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from dflash2.reference.rng import derive_seed
+    from dflash2.reference.request.rng import derive_seed
     from dflash2.reference.runner import ReferenceRunner
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -175,7 +175,7 @@ class _FastRunner:
     def encode(self, text: str, chat: bool = False) -> list[int]:
         from pathlib import Path
 
-        from dflash2.reference.errors import CheckpointError
+        from dflash2.reference.formats.errors import CheckpointError
 
         tokenizer = self.llm.tokenizer
         if tokenizer is None:

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from dflash2.reference.sampling_params import SamplingParams
+from dflash2.reference.request.sampling_params import SamplingParams
 
 from .engine.config import AUTO, EngineConfig
 from .engine.engine import Engine, RequestOutput

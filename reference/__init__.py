@@ -7,26 +7,35 @@ engine (``dflash2.fast``) specializes it and is held to it by ``conformance/``.
 
 Rules: one concept per file, equations in docstrings, shapes at function boundaries
 (``# [T, H, D]``), no hidden global state (randomness is an argument), and no import of
-``dflash2.fast`` or Triton. This package also owns the formats (config parsing, checkpoint
-loading and validation, the tiny checkpoint factory) so both sides load identically.
+``dflash2.fast`` or Triton.
 
-Module map (docs/architecture.md has the request lifecycle; docs/walkthrough.md one step):
+Packages. ``fast/`` may import ``formats``, ``tiny`` and ``request``, never ``model`` or
+``speculative`` (tests/test_layout.py holds that line); the sub-packages mirror ``fast/``'s, so
+a concept's reference twin, fast piece and conformance test share a name.
 
-Formats (shared with the fast engine)
+formats/  what both engines load and validate identically (shared)
     config             the target's config.json: parsing, validation, ``TargetConfig``
     weights            the canonical target tensor names and shapes (the loader/model contract)
     checkpoint         target safetensors (flat, wrapper, sharded, fused or per-expert) -> canonical
-    factory            tiny random targets written in the real Qwen3.5 HF format
-    tiny_weights       their random canonical weights (scales that keep them non-degenerate) and disk layout
     tokenizer          loading a folder's tokenizer as both engines do; fit and EOS checks
-    tokenizer_factory  tokenizer files for tiny checkpoints (small BPE, or the real Qwen3.5 BPE)
     chat_template      the ChatML chat template with Qwen3.5's thinking rules
     draft_config       the DFlash 2 draft's config.json: startup validation against the target, k
     draft_checkpoint   the draft's tensor table, validated by name and shape, and its loading
-    draft_factory      tiny random DFlash 2 drafts in the real format, fitted to a target
     errors             user-facing errors (config, checkpoint, request), one line each
 
-Target (Qwen3.5 hybrid, fp32)
+tiny/  tiny random checkpoints in the real formats, for tests and the demo (shared)
+    target             tiny random targets written in the real Qwen3.5 HF format; the presets
+    weights            their random canonical weights (scales that keep them non-degenerate) and disk layout
+    tokenizer          tokenizer files for tiny checkpoints (small BPE, or the real Qwen3.5 BPE)
+    draft              tiny random DFlash 2 drafts in the real format, fitted to a target
+
+request/  the request contract both engines honour (shared)
+    rng                keyed randomness: Philox uniforms by (seed, position, purpose, slot)
+    sampling_params    per-request sampling parameters and their validation
+    stopping           when a request ends (stop ids, stop strings, max_tokens)
+    trace              the ``--trace`` record of one verify step
+
+model/  the forwards, fp32 (twins: fast/model/)
     norm               zero-centred RMSNorm and the gated RMSNorm of GDN outputs
     rope               partial NeoX rotary embedding at absolute positions
     delta_rule         the gated delta rule: the recurrent definition and its chunked twin
@@ -37,23 +46,22 @@ Target (Qwen3.5 hybrid, fp32)
     layer              one pre-norm residual decoder layer (GDN or attention, MLP or MoE)
     target             the whole model: embedding, layers, final norm, head; taps; ``TargetCache``
     mtp                the multi-token-prediction head (``mtp.*``) and its own cache
+    conv               the grouped dynamic causal conv around each draft sublayer
+    draft              the DFlash 2 draft forward: context rows, context K/V, the block
 
-Speculative decoding
-    rng                keyed randomness: Philox uniforms by (seed, position, purpose, slot)
-    sampling_params    per-request sampling parameters and their validation
+speculative/  proposing and verifying (twins: fast/speculative/, fast/kernels/)
     sampling           the target's filtered distribution p and the inverse-CDF draw
     proposer           the ``Proposer`` interface and ``Proposal`` (tokens, candidates, q)
     ring               the per-request DFlash K/V ring: slots, tagged reads, rebuild
-    conv               the grouped dynamic causal conv around each draft sublayer
-    draft              the DFlash 2 draft forward: context rows, context K/V, the block
     selector           the candidate selector: top-K_sel candidates, edge scores, the walk, q
-    dflash_proposer    DFlash 2 as a proposer: ring writes on observe, block and walk on propose
-    mtp_proposer       MTP as a proposer: chained greedy steps, truncation on observe
-    ngram_proposer     prompt lookup as a proposer (the worked example of writing-a-proposer)
+    dflash             DFlash 2 as a proposer: ring writes on observe, block and walk on propose
+    mtp                MTP as a proposer: chained greedy steps, truncation on observe
+    ngram              prompt lookup as a proposer (the worked example of writing-a-proposer)
     verify             greedy prefix match and sparse-q rejection, with untrusted-row handling
-    speculative        the loop for one request: propose, verify, GDN rollback by replay, observe
-    generate           plain decoding, the baseline; prompt checks and the first token
-    stopping           when a request ends (stop ids, stop strings, max_tokens): shared with the engine
-    trace              the ``--trace`` record of one verify step: shared with the engine
-    runner             a checkpoint folder to decoding: what ``ft generate --engine reference`` runs
+    loop               the loop for one request: propose, verify, GDN rollback by replay, observe
+
+generate               plain decoding, the baseline; prompt checks and the first token
+runner                 a checkpoint folder to decoding: what ``ft generate --engine reference`` runs
+
+docs/architecture.md has the request lifecycle through both engines; docs/walkthrough.md one step.
 """

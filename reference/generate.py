@@ -2,7 +2,7 @@
 
 Given prompt ids x_0..x_{n-1}, the target runs over the prompt once (prefill), then one token at
 a time. The token at position p is argmax(logits_{p-1}) when greedy, else the inverse-CDF draw of
-the filtered distribution p_{p-1} (``reference/sampling.py``) with the uniform
+the filtered distribution p_{p-1} (``reference/speculative/sampling.py``) with the uniform
 ``rng.uniform(seed, p, Purpose.SAMPLE)``. Generation ends after ``max_tokens`` tokens, at a stop
 id (unless ``ignore_eos``), or at a stop string (the text is cut before it).
 """
@@ -15,12 +15,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from .errors import RequestError
-from .rng import Purpose, uniform
-from .sampling import greedy_token, sample_from_probs, target_probs
-from .sampling_params import SamplingParams
-from .stopping import Stopper, timing
-from .target import ReferenceTarget
+from .formats.errors import RequestError
+from .request.rng import Purpose, uniform
+from .speculative.sampling import greedy_token, sample_from_probs, target_probs
+from .request.sampling_params import SamplingParams
+from .request.stopping import Stopper, timing
+from .model.target import ReferenceTarget
 
 
 @dataclass

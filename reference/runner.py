@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .checkpoint import load_target
-from .errors import CheckpointError, ConfigError, expect
+from .formats.checkpoint import load_target
+from .formats.errors import CheckpointError, ConfigError, expect
 from .generate import GenerationResult, generate
-from .proposer import Proposer
-from .sampling_params import SamplingParams
-from .speculative import speculative_generate
-from .target import ReferenceTarget
-from .tokenizer import check_tokenizer_fits, eos_token_ids, has_tokenizer, load_tokenizer
+from .speculative.proposer import Proposer
+from .request.sampling_params import SamplingParams
+from .speculative.loop import speculative_generate
+from .model.target import ReferenceTarget
+from .formats.tokenizer import check_tokenizer_fits, eos_token_ids, has_tokenizer, load_tokenizer
 
 SPECULATIVE_ALGORITHMS = ("none", "mtp", "dflash")
 DEFAULT_MTP_STEPS = 3
@@ -53,8 +53,8 @@ class ReferenceRunner:
         self.stop_token_ids = eos_token_ids(self.model_path, self.tokenizer)
 
     def _setup_mtp(self, cfg, weights, num_steps: int | None) -> None:
-        from .mtp import ReferenceMTP
-        from .mtp_proposer import MTPProposer
+        from .model.mtp import ReferenceMTP
+        from .speculative.mtp import MTPProposer
 
         expect(cfg.mtp_num_hidden_layers == 1, ConfigError, "mtp_num_hidden_layers", cfg.mtp_num_hidden_layers,
                "1 for speculative_algorithm 'mtp' (this target has no MTP head)")
@@ -65,9 +65,9 @@ class ReferenceRunner:
         self._new_proposer = lambda: MTPProposer(mtp)
 
     def _setup_dflash(self, cfg, weights, draft_model_path, num_steps: int | None) -> None:
-        from .dflash_proposer import DFlashProposer
-        from .draft import ReferenceDraft
-        from .draft_checkpoint import load_draft
+        from .speculative.dflash import DFlashProposer
+        from .model.draft import ReferenceDraft
+        from .formats.draft_checkpoint import load_draft
 
         draft_cfg, draft_weights = load_draft(draft_model_path, cfg, num_steps)
         draft = ReferenceDraft(draft_cfg, draft_weights, weights)

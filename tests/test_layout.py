@@ -1,5 +1,13 @@
-"""The package boundaries STYLE.md promises: the reference never imports the fast engine or Triton,
-and the fast engine imports only the reference's shared formats (config, checkpoints, validation)."""
+"""The package boundaries STYLE.md promises, stated by package.
+
+- ``reference/`` never imports the fast engine or Triton.
+- ``fast/`` imports from the reference only its shared packages: ``formats`` (config, checkpoints,
+  tokenizer, validation), ``tiny`` (the tiny-checkpoint factories) and ``request`` (sampling
+  parameters, keyed randomness, stopping, trace). Never ``model`` or ``speculative``: the fast
+  engine computes everything itself, and conformance/ compares the two.
+- The one deliberate exception: ``ft generate --engine reference`` dispatches to the executable
+  spec's runner from ``fast/cli.py``.
+"""
 
 from __future__ import annotations
 
@@ -8,50 +16,77 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# reference modules the fast engine may use: formats, validation and shared parameters, no compute
-SHARED_REFERENCE_MODULES = {
-    "config", "weights", "errors", "checkpoint", "factory", "tiny_weights", "tokenizer", "tokenizer_factory",
-    "sampling_params", "rng", "stopping", "trace", "draft_config", "draft_checkpoint", "draft_factory",
-}
-# the CLI's ``--engine reference`` deliberately dispatches to the executable spec
-REFERENCE_DISPATCH = {("cli.py", "runner")}
+SHARED_REFERENCE_PACKAGES = {"formats", "tiny", "request"}
+REFERENCE_DISPATCH = {("fast/cli.py", "dflash2.reference.runner")}
 
 
 def imported_modules(path: Path) -> list[str]:
+    """Absolute dotted names a file imports; relative imports resolved against its package."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    package = ["dflash2", *rel.parts[:-1]] if rel.parts[0] in ("reference", "fast") else list(rel.parts[:-1])
     tree = ast.parse(path.read_text(), filename=str(path))
     names = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = "." * node.level + (node.module or "")
-            names += [base] + [f"{base}.{alias.name}" if node.module else f"{base}{alias.name}" for alias in node.names]
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            names += [base] + [f"{base}.{alias.name}" for alias in node.names]
     return names
 
 
+def python_files(top: str) -> list[Path]:
+    return sorted((ROOT / top).rglob("*.py"))
+
+
 def test_reference_imports_neither_fast_nor_triton():
-    offenders = []
-    for path in sorted((ROOT / "reference").rglob("*.py")):
-        for name in imported_modules(path):
-            if name.startswith(("dflash2.fast", "triton")) or name.split(".")[0] == "fast":
-                offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+    offenders = [f"{path.relative_to(ROOT)} imports {name}"
+                 for path in python_files("reference") for name in imported_modules(path)
+                 if name.startswith(("dflash2.fast", "triton")) or name.split(".")[0] == "fast"]
     assert offenders == []
 
 
-def test_fast_uses_only_shared_reference_modules():
+def fast_offenders(paths: list[Path]) -> list[str]:
     offenders = []
-    for path in sorted((ROOT / "fast").rglob("*.py")):
+    for path in paths:
+        where = str(path.relative_to(ROOT))
         for name in imported_modules(path):
-            if not name.startswith("dflash2.reference."):
+            parts = name.split(".")
+            if parts[:2] != ["dflash2", "reference"] or len(parts) < 3:
                 continue
-            module = name.split(".")[2]
-            if module in SHARED_REFERENCE_MODULES or (path.name, module) in REFERENCE_DISPATCH:
+            if parts[2] in SHARED_REFERENCE_PACKAGES or (where, ".".join(parts[:3])) in REFERENCE_DISPATCH:
                 continue
-            offenders.append(f"{path.relative_to(ROOT)} imports {name}")
-    assert offenders == []
+            offenders.append(f"{where} imports {name}")
+    return offenders
 
 
-def test_the_boundary_check_catches_a_planted_import(tmp_path):
-    planted = tmp_path / "bad.py"
-    planted.write_text("from dflash2.fast.cli import main\nimport triton.language as tl\n")
-    assert {"dflash2.fast.cli", "triton.language"} <= set(imported_modules(planted))
+def test_fast_imports_only_the_shared_reference_packages():
+    assert fast_offenders(python_files("fast")) == []
+
+
+def test_every_reference_module_lives_in_a_package_or_is_a_loop():
+    """New reference modules go into a sub-package; only the two loops' entry points sit on top."""
+    top_level = {p.stem for p in (ROOT / "reference").glob("*.py")} - {"__init__"}
+    assert top_level == {"generate", "runner"}
+
+
+def test_the_boundary_check_catches_planted_imports(monkeypatch):
+    """A fast module importing reference compute (absolutely or relatively) is named; shared ones pass."""
+    planted = ROOT / "fast" / "engine" / "planted.py"  # never written: the source is parsed in memory
+    source = ("from dflash2.fast.cli import main\nimport triton.language as tl\n"
+              "from ...reference.model.target import ReferenceTarget\n"
+              "from dflash2.reference.speculative import verify\n"
+              "from dflash2.reference.formats.config import TargetConfig\n")
+    original = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: source if self == planted else original(self, *a, **k))
+    names = set(imported_modules(planted))
+    assert {"dflash2.fast.cli", "triton.language", "dflash2.reference.model.target"} <= names
+    assert fast_offenders([planted]) == [
+        "fast/engine/planted.py imports dflash2.reference.model.target",
+        "fast/engine/planted.py imports dflash2.reference.model.target.ReferenceTarget",
+        "fast/engine/planted.py imports dflash2.reference.speculative",
+        "fast/engine/planted.py imports dflash2.reference.speculative.verify",
+    ]

@@ -22,7 +22,7 @@ import torch
 
 from dflash2.fast.kernels.rejection import verify_torch, verify_triton
 from dflash2.fast.kernels.sampler import SamplingTensors
-from dflash2.reference.sampling_params import SamplingParams
+from dflash2.reference.request.sampling_params import SamplingParams
 
 V, K = 6, 3
 P = torch.tensor([[0.30, 0.25, 0.20, 0.15, 0.10, 0.00],

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dflash2.reference.checkpoint import load_target
-from dflash2.reference.draft import ReferenceDraft
-from dflash2.reference.draft_checkpoint import load_draft
-from dflash2.reference.draft_factory import write_tiny_draft
-from dflash2.reference.factory import write_tiny_target
+from dflash2.reference.formats.checkpoint import load_target
+from dflash2.reference.model.draft import ReferenceDraft
+from dflash2.reference.formats.draft_checkpoint import load_draft
+from dflash2.reference.tiny.draft import write_tiny_draft
+from dflash2.reference.tiny.target import write_tiny_target
 from dflash2.fast.model.draft import FastDraft
 from draft_harness import DEVICE, REPORT
 

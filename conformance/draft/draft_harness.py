@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dflash2.reference.draft import ReferenceDraft
-from dflash2.reference.selector import CandidateSelector, SelectorOutput, select, selector_uniforms
+from dflash2.reference.model.draft import ReferenceDraft
+from dflash2.reference.speculative.selector import CandidateSelector, SelectorOutput, select, selector_uniforms
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the fast side runs
 NUMERIC_FP32 = 1e-5  # docs/tolerances.md: NUMERIC, fp32

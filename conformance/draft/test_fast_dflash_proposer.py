@@ -22,11 +22,11 @@ import torch
 from dflash2.fast.kernels.philox import seeds_tensor
 import dflash2.fast.model.draft as draft_module
 from dflash2.fast.model.draft import FastDraft
-from dflash2.fast.spec.dflash import FastDFlashProposer
-from dflash2.fast.spec.ring_pool import RingPool, StaleSlotError
-from dflash2.reference.dflash_proposer import DFlashProposer
-from dflash2.reference.sampling_params import SamplingParams
-from dflash2.reference.target import TargetOutput
+from dflash2.fast.speculative.dflash import FastDFlashProposer
+from dflash2.fast.speculative.ring_pool import RingPool, StaleSlotError
+from dflash2.reference.speculative.dflash import DFlashProposer
+from dflash2.reference.request.sampling_params import SamplingParams
+from dflash2.reference.model.target import TargetOutput
 from draft_harness import DEVICE, ErrorLog, features_of, first_near_tie, new_log, random_taps, reference_walk
 
 NUM_SLOTS = 8

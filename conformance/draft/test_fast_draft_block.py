@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from dflash2.fast.model.draft import batch_invariant_linear
-from dflash2.fast.spec.dflash import FastDFlashProposer
-from dflash2.reference.ring import Ring
+from dflash2.fast.speculative.dflash import FastDFlashProposer
+from dflash2.reference.speculative.ring import Ring
 from draft_harness import DEVICE, features_of, new_log, random_taps, reference_block_layers
 
 

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import dflash2.fast.spec.mtp as mtp_module
+import dflash2.fast.speculative.mtp as mtp_module
 from dflash2.fast.model.batch import PAD_SLOT, ForwardBatch
 from dflash2.fast.model.mtp import FastMTP
 from dflash2.fast.model.pools import CachePools
-from dflash2.fast.spec.mtp import FastMTPProposer
-from dflash2.reference.mtp import ReferenceMTP
-from dflash2.reference.mtp_proposer import MTPProposer
-from dflash2.reference.sampling_params import SamplingParams
-from dflash2.reference.target import TargetOutput
+from dflash2.fast.speculative.mtp import FastMTPProposer
+from dflash2.reference.model.mtp import ReferenceMTP
+from dflash2.reference.speculative.mtp import MTPProposer
+from dflash2.reference.request.sampling_params import SamplingParams
+from dflash2.reference.model.target import TargetOutput
 from draft_harness import DEVICE, NEAR_TIE_FP32, ErrorLog, new_log
 
 PAGE_SIZE, NUM_PAGES, PAGES_PER_REQ, NUM_SLOTS = 4, 48, 14, 4

@@ -1,7 +1,7 @@
 """RingPool and WindowPool (all slots at once) against one reference Ring per slot, step by step.
 
-Every operation goes to the fast pools and to the reference rings (``reference/ring.py``, itself
-checked against an obvious model in tests/ring); after each step every slot's read at its
+Every operation goes to the fast pools and to the reference rings (``reference/speculative/ring.py``, itself
+checked against an obvious model in tests/speculative/ring); after each step every slot's read at its
 frontier must agree: positions and tags EXACT, rows bitwise (the pools only store). Writes batch
 the rows of several slots (and padding rows) into one call, as an engine step does; a prefill
 may exceed the capacity in one call; a snapshot copies a slot's window to another slot and the
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from dflash2.fast.model.batch import PAD_SLOT
-from dflash2.fast.spec.ring_pool import RingPool, StaleSlotError, WindowPool
-from dflash2.reference.ring import Ring
+from dflash2.fast.speculative.ring_pool import RingPool, StaleSlotError, WindowPool
+from dflash2.reference.speculative.ring import Ring
 
 NUM_SLOTS, WINDOW, MARGIN = 3, 6, 3
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN = 2, 1, 2, 3

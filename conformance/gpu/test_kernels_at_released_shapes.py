@@ -18,8 +18,8 @@ from dflash2.fast.kernels.ring_attention import ring_attention_torch, ring_atten
 from dflash2.fast.kernels.sampler import SamplingTensors, sample_torch, sample_triton, target_probs_torch
 from dflash2.fast.kernels.sampler import target_probs_triton
 from dflash2.fast.kernels.selector import select_torch, select_triton
-from dflash2.reference.rng import Purpose
-from dflash2.reference.sampling_params import SamplingParams
+from dflash2.reference.request.rng import Purpose
+from dflash2.reference.request.sampling_params import SamplingParams
 
 # the CPU lane deselects these (scripts/test.sh: -m "not gpu"); the GPU lane runs them
 pytestmark = [pytest.mark.gpu,

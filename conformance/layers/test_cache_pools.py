@@ -7,7 +7,7 @@ import torch
 
 from dflash2.fast.model.pools import CachePools
 from dflash2.fast.model.target import FastTarget
-from dflash2.reference.factory import tiny_target_config, tiny_target_weights
+from dflash2.reference.tiny.target import tiny_target_config, tiny_target_weights
 from fast_model_harness import Seq, make_batch
 
 

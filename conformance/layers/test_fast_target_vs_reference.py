@@ -19,9 +19,9 @@ import torch
 from dflash2.fast.model.pools import CachePools, commit_verify
 from dflash2.fast.model.step import StepMeta
 from dflash2.fast.model.target import FastTarget
-from dflash2.reference.checkpoint import load_target
-from dflash2.reference.factory import write_tiny_target
-from dflash2.reference.target import ReferenceTarget
+from dflash2.reference.formats.checkpoint import load_target
+from dflash2.reference.tiny.target import write_tiny_target
+from dflash2.reference.model.target import ReferenceTarget
 from fast_model_harness import BOUNDS, REPORT, ErrorLog, Seq, changed_rows, make_batch, row_bytes, scattered_pages
 
 PAGE_SIZE = 3

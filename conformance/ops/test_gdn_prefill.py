@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from ops_helpers import NUMERIC_BOUND
 
 from dflash2.fast.kernels.gdn_prefill import fla_unavailable_reason, gated_delta_rule_prefill_fla
-from dflash2.reference.delta_rule import gated_delta_rule_recurrent
+from dflash2.reference.model.delta_rule import gated_delta_rule_recurrent
 
 pytestmark = pytest.mark.gpu  # the CPU lane deselects it (scripts/test.sh); the GPU lane runs it
 needs_fla = pytest.mark.skipif(fla_unavailable_reason() is not None,

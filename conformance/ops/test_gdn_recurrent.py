@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ops_helpers import NUMERIC_BOUND, pick
 
 from dflash2.fast.kernels.gdn_recurrent import gated_delta_rule_verify_torch, gated_delta_rule_verify_triton
-from dflash2.reference.delta_rule import gated_delta_rule_recurrent
+from dflash2.reference.model.delta_rule import gated_delta_rule_recurrent
 
 EXTRA_SCRATCH = 2  # poisoned scratch rows and sequences beyond [:B, :max_rows]
 

@@ -1,4 +1,4 @@
-"""fast/kernels/philox.py vs reference/rng.py: keyed uniforms bit for bit (EXACT)."""
+"""fast/kernels/philox.py vs reference/request/rng.py: keyed uniforms bit for bit (EXACT)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ops_helpers import pick
 
 from dflash2.fast.kernels import philox
 from dflash2.fast.kernels.philox import keyed_uniform_torch, keyed_uniform_triton, seeds_tensor
-from dflash2.reference.rng import MASK32, Purpose, uniform
+from dflash2.reference.request.rng import MASK32, Purpose, uniform
 
 EDGE_SEEDS = [0, 1, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1]
 EDGE_WORDS = [0, 1, 2**31 - 1, 2**31, MASK32]

@@ -73,7 +73,7 @@ def test_planted_registry_gaps_are_caught(planted, tmp_path):
     kernels, kernel_dir = list(KERNELS), KERNEL_DIR
     first = kernels[0]
     if planted == "no_twin":
-        kernels[0] = KernelTwin(first.name, first.fast, "dflash2.reference.rng:no_such_function", first.test)
+        kernels[0] = KernelTwin(first.name, first.fast, "dflash2.reference.request.rng:no_such_function", first.test)
     elif planted == "no_test":
         kernels[0] = KernelTwin(first.name, first.fast, first.reference, "conformance/ops/test_missing.py")
     else:

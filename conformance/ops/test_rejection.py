@@ -1,4 +1,4 @@
-"""fast/kernels/rejection.py vs reference/verify.py: num_accepted and emitted tokens EXACT (away from
+"""fast/kernels/rejection.py vs reference/speculative/verify.py: num_accepted and emitted tokens EXACT (away from
 acceptance-test and CDF near-ties), over greedy and sampled requests, untrusted q rows (NaN, inf,
 negative, zero total, draft outside the candidates), one-hot q, wrong totals, odd V and K, k = 1..7."""
 
@@ -14,10 +14,10 @@ from ops_helpers import pick
 from dflash2.fast.kernels import rejection
 from dflash2.fast.kernels.rejection import EMPTY, verify_torch, verify_triton
 from dflash2.fast.kernels.sampler import SamplingTensors
-from dflash2.reference.rng import Purpose, uniform
-from dflash2.reference.sampling import target_probs
-from dflash2.reference.sampling_params import SamplingParams
-from dflash2.reference.verify import draft_row_on_vocab, residual_probs, verify_greedy, verify_sampled_keyed
+from dflash2.reference.request.rng import Purpose, uniform
+from dflash2.reference.speculative.sampling import target_probs
+from dflash2.reference.request.sampling_params import SamplingParams
+from dflash2.reference.speculative.verify import draft_row_on_vocab, residual_probs, verify_greedy, verify_sampled_keyed
 
 NEAR_TIE = 1e-5
 BAD_ROWS = ("nan", "inf", "negative", "zero", "outside", "one_hot", "total_x3", "total_half")

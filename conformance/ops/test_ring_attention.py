@@ -11,7 +11,7 @@ import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
 from dflash2.fast.kernels.ring_attention import ring_attention_torch, ring_attention_triton
-from dflash2.reference.draft import window_attention
+from dflash2.reference.model.draft import window_attention
 
 MARGIN = 4
 

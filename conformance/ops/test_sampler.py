@@ -1,4 +1,4 @@
-"""fast/kernels/sampler.py vs reference/sampling.py: filtered target probabilities (NUMERIC, support
+"""fast/kernels/sampler.py vs reference/speculative/sampling.py: filtered target probabilities (NUMERIC, support
 EXACT) and keyed inverse-CDF draws (EXACT away from CDF near-ties)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from ops_helpers import NUMERIC_BOUND, pick
 
 from dflash2.fast.kernels.sampler import (SamplingTensors, sample_torch, sample_triton, target_probs_torch,
                                           target_probs_triton)
-from dflash2.reference.rng import Purpose, uniform
-from dflash2.reference.sampling import sample_from_probs, target_probs
-from dflash2.reference.sampling_params import SamplingParams
+from dflash2.reference.request.rng import Purpose, uniform
+from dflash2.reference.speculative.sampling import sample_from_probs, target_probs
+from dflash2.reference.request.sampling_params import SamplingParams
 
 CDF_TIE = 1e-5  # a draw whose target lies this close (relative) to a CDF step may round either way
 

@@ -13,8 +13,8 @@ from ops_helpers import NUMERIC_BOUND, pick
 
 from dflash2.fast.kernels.philox import seeds_tensor
 from dflash2.fast.kernels.selector import select_torch, select_triton
-from dflash2.reference.draft import DraftBlockOutput
-from dflash2.reference.selector import CandidateSelector, select, selector_uniforms
+from dflash2.reference.model.draft import DraftBlockOutput
+from dflash2.reference.speculative.selector import CandidateSelector, select, selector_uniforms
 
 NEAR_TIE = 1e-4  # fp32 near-tie logit gap (docs/tolerances.md), for sigma; relative for the draw's CDF
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash2.reference.draft_factory import write_tiny_draft
-from dflash2.reference.factory import write_tiny_target
+from dflash2.reference.tiny.draft import write_tiny_draft
+from dflash2.reference.tiny.target import write_tiny_target
 from dflash2.reference.runner import ReferenceRunner
 
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from dflash2.fast.spec.proposal import DraftProposal
-from dflash2.reference.proposer import Proposal, Proposer
-from dflash2.reference.rng import Purpose, uniform
-from dflash2.reference.sampling import sample_from_probs
-from dflash2.reference.target import ReferenceTarget
+from dflash2.fast.speculative.proposal import DraftProposal
+from dflash2.reference.speculative.proposer import Proposal, Proposer
+from dflash2.reference.request.rng import Purpose, uniform
+from dflash2.reference.speculative.sampling import sample_from_probs
+from dflash2.reference.model.target import ReferenceTarget
 
 NUM_CANDIDATES = 3
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from dflash2.fast.llm import LLM
-from dflash2.reference.errors import RequestError
-from dflash2.reference.sampling_params import SamplingParams
+from dflash2.reference.formats.errors import RequestError
+from dflash2.reference.request.sampling_params import SamplingParams
 
 GOOD = [([5, 17, 42, 99, 3], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)),
         (list(range(30, 50)), SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=9, ignore_eos=True))]

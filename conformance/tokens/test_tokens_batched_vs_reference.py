@@ -14,7 +14,7 @@ import pytest
 
 from dflash2.fast.engine.scheduler import DecodePlan, PrefillPlan, Scheduler
 from dflash2.fast.llm import LLM
-from dflash2.reference.sampling_params import SamplingParams
+from dflash2.reference.request.sampling_params import SamplingParams
 from tokens_harness import Case, assert_token_stream
 
 CASES = [

@@ -10,7 +10,7 @@ import pytest
 
 from dflash2.fast.llm import LLM
 from dflash2.reference.runner import ReferenceRunner
-from dflash2.reference.sampling_params import SamplingParams
+from dflash2.reference.request.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 3]
 

@@ -11,9 +11,9 @@ import pytest
 
 from dflash2.fast.engine.config import EngineConfig
 from dflash2.fast.llm import LLM
-from dflash2.reference.draft_factory import write_tiny_draft
-from dflash2.reference.errors import ConfigError, UserInputError
-from dflash2.reference.factory import write_tiny_target
+from dflash2.reference.tiny.draft import write_tiny_draft
+from dflash2.reference.formats.errors import ConfigError, UserInputError
+from dflash2.reference.tiny.target import write_tiny_target
 from dflash2.reference.runner import ReferenceRunner
 
 

@@ -16,8 +16,8 @@ import pytest
 from dflash2.fast.engine.config import EngineConfig
 from dflash2.fast.engine.engine import Engine
 from dflash2.fast.engine.startup import load_model
-from dflash2.reference.sampling_params import SamplingParams
-from dflash2.reference.speculative import speculative_generate
+from dflash2.reference.request.sampling_params import SamplingParams
+from dflash2.reference.speculative.loop import speculative_generate
 from oracle_drafts import PeekingDrafter, PeekingProposer
 from tokens_harness import Case, assert_token_stream
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash2.reference.runner import ReferenceRunner
-from dflash2.reference.sampling_params import SamplingParams
+from dflash2.reference.request.sampling_params import SamplingParams
 
 NEAR_TIE_FP32 = 1e-4  # docs/tolerances.md: fp32 near-tie logit gap
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from dflash2.reference.errors import ConfigError, expect, is_int
+from dflash2.reference.formats.errors import ConfigError, expect, is_int
 
 SPECULATIVE_ALGORITHMS = ("none", "mtp", "dflash")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

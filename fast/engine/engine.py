@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from dflash2.reference.errors import RequestError, UserInputError
-from dflash2.reference.sampling_params import SamplingParams
-from dflash2.reference.stopping import Stopper
-from dflash2.reference.trace import StepRecord
+from dflash2.reference.formats.errors import RequestError, UserInputError
+from dflash2.reference.request.sampling_params import SamplingParams
+from dflash2.reference.request.stopping import Stopper
+from dflash2.reference.request.trace import StepRecord
 
 from .config import EngineConfig
 from .runner import ModelRunner
@@ -173,7 +173,7 @@ class Engine:
                 self._commit(scheduler, req, [token])
 
     def _commit(self, scheduler: Scheduler, req: Req, tokens: list[int]) -> None:
-        """Append committed tokens and end the request where the reference would (``reference/stopping.py``)."""
+        """Append committed tokens and end the request where the reference would (``reference/request/stopping.py``)."""
         decode = self.decode if self.tokenizer is not None else None
         stopper = Stopper(req.params, self.stop_ids, decode, req.max_new_tokens)
         req.output_ids, reason = stopper.check(req.output_ids + tokens)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash2.reference.draft_config import DraftConfig
-from dflash2.reference.errors import ConfigError
+from dflash2.reference.formats.draft_config import DraftConfig
+from dflash2.reference.formats.errors import ConfigError
 
-from ..spec.ring_pool import RingPool, WindowPool
+from ..speculative.ring_pool import RingPool, WindowPool
 from .config import EngineConfig
 from .scheduler import pages_for
 
@@ -48,7 +48,7 @@ class MemoryPlan:
 
 
 def dflash_slot_bytes(cfg: DraftConfig, dtype: torch.dtype) -> tuple[int, int]:
-    """(K/V ring, dflash_window) bytes of one request, as ``fast/spec/ring_pool.py`` allocates them."""
+    """(K/V ring, dflash_window) bytes of one request, as ``fast/speculative/ring_pool.py`` allocates them."""
     ring = RingPool.bytes_per_slot(cfg.sliding_window, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                    cfg.head_dim, dtype)
     return ring, WindowPool.bytes_per_slot(cfg.sliding_window, cfg.hidden_size, dtype)

@@ -29,13 +29,13 @@ from typing import Protocol, Sequence
 import torch
 from torch import Tensor
 
-from dflash2.reference.sampling_params import SamplingParams
-from dflash2.reference.trace import StepRecord
+from dflash2.reference.request.sampling_params import SamplingParams
+from dflash2.reference.request.trace import StepRecord
 
 from ..kernels.sampler import SamplingTensors
 from ..model.batch import ForwardBatch
 from ..model.pools import commit_verify
-from ..spec.proposal import DraftProposal
+from ..speculative.proposal import DraftProposal
 from .sampler import sample_next, sampling_tensors, verify_ragged
 from .scheduler import DecodePlan, PrefillPlan, Req
 

@@ -6,7 +6,7 @@ A batch mixes greedy and sampled requests, each with its own temperature, top-k,
 - ``sample_next``: the token at position p is argmax (greedy) or the inverse-CDF draw of the
   filtered target distribution with u = uniform(seed, p, SAMPLE, 0) (``reference/generate.py``):
   the first token after a prefill and every token of plain decoding;
-- ``verify_ragged``: ``reference/verify.py`` (greedy prefix match, sparse-q rejection with
+- ``verify_ragged``: ``reference/speculative/verify.py`` (greedy prefix match, sparse-q rejection with
   uniforms keyed (seed, s, ACCEPT, i), (seed, s, RESIDUAL, 0), (seed, s, BONUS, 0) at the anchor
   s) for requests with different k: a request near its max_tokens verifies fewer drafts, exactly
   as it would alone. The kernel verifies one k per call, so requests are grouped by k (one group
@@ -22,8 +22,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from dflash2.reference.rng import Purpose
-from dflash2.reference.sampling_params import SamplingParams
+from dflash2.reference.request.rng import Purpose
+from dflash2.reference.request.sampling_params import SamplingParams
 
 from ..kernels.rejection import verify
 from ..kernels.sampler import SamplingTensors, sample

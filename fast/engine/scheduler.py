@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from dflash2.reference.sampling_params import SamplingParams
+from dflash2.reference.request.sampling_params import SamplingParams
 
 
 class ReqStatus(Enum):
@@ -204,7 +204,7 @@ class Scheduler:
         return DecodePlan(decoding, num_drafts)
 
     def drafts_for(self, req: Req) -> int:
-        """k for this request's next verify (``reference/speculative.py``): a step emits up to k + 1
+        """k for this request's next verify (``reference/speculative/loop.py``): a step emits up to k + 1
         tokens, so draft no further than the request's end; with one token left, k = 0 and the step
         emits the target's own (bonus) token."""
         return min(self.num_steps, req.max_new_tokens - len(req.output_ids) - 1)

@@ -1,7 +1,7 @@
 """Startup: an EngineConfig to a loaded target, its caches, its proposer and its tokenizer.
 
 Every refusal happens here, before any request, with the reference's errors, because both sides
-use the same loaders and validators (``reference/config.py``, ``checkpoint.py``,
+use the same loaders and validators (``reference/formats/config.py``, ``checkpoint.py``,
 ``draft_config.py``, ``draft_checkpoint.py``, ``tokenizer.py``), in the reference runner's order:
 the speculative flags (``EngineConfig``), the target checkpoint, the MTP head or the draft, the
 tokenizer. Then the caches are sized (``memory.py``) and allocated once.
@@ -14,18 +14,18 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash2.reference.checkpoint import load_target
-from dflash2.reference.config import TargetConfig
-from dflash2.reference.draft_checkpoint import load_draft
-from dflash2.reference.errors import ConfigError, expect
-from dflash2.reference.tokenizer import check_tokenizer_fits, eos_token_ids, has_tokenizer, load_tokenizer
+from dflash2.reference.formats.checkpoint import load_target
+from dflash2.reference.formats.config import TargetConfig
+from dflash2.reference.formats.draft_checkpoint import load_draft
+from dflash2.reference.formats.errors import ConfigError, expect
+from dflash2.reference.formats.tokenizer import check_tokenizer_fits, eos_token_ids, has_tokenizer, load_tokenizer
 
 from ..model.draft import FastDraft
 from ..model.mtp import FastMTP
 from ..model.pools import CachePools, gdn_bytes_per_slot, kv_bytes_per_token, verify_bytes_per_seq
 from ..model.target import FastTarget
-from ..spec.dflash import FastDFlashProposer
-from ..spec.mtp import FastMTPProposer
+from ..speculative.dflash import FastDFlashProposer
+from ..speculative.mtp import FastMTPProposer
 from .config import EngineConfig
 from .memory import MemoryPlan, cache_budget_bytes, dflash_slot_bytes, log_plan, plan_memory
 from .runner import DFlashDrafter, MTPDrafter, Proposer

@@ -1,4 +1,4 @@
-"""Keyed uniforms on the device: Philox-4x32-10 of (seed, position, purpose, slot), twin of ``reference/rng.py``.
+"""Keyed uniforms on the device: Philox-4x32-10 of (seed, position, purpose, slot), twin of ``reference/request/rng.py``.
 
     key     = (seed mod 2^32, seed >> 32)
     counter = (position, purpose, slot, 0)
@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from dflash2.reference.rng import MASK32, PHILOX_A, PHILOX_B, PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUNDS
+from dflash2.reference.request.rng import MASK32, PHILOX_A, PHILOX_B, PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUNDS
 
 from .triton_compat import tl, triton, use_triton
 

@@ -1,4 +1,4 @@
-"""Batched verification of k drafts per request, twin of ``reference/verify.py``.
+"""Batched verification of k drafts per request, twin of ``reference/speculative/verify.py``.
 
 For each request b (target rows b*(k+1) + i, row i giving p_{i+1}), with the request's sampling
 parameters and the filtered target distribution computed in place from the logits:
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dflash2.reference.rng import Purpose
+from dflash2.reference.request.rng import Purpose
 
 from .philox import keyed_uniform_torch, philox_uniform
 from .sampler import (SamplingTensors, _block_v, draw_torch, filter_cuts, kept_weight, row_stats,

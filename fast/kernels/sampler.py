@@ -1,4 +1,4 @@
-"""Batched target probabilities and keyed inverse-CDF draws, twin of ``reference/sampling.py``.
+"""Batched target probabilities and keyed inverse-CDF draws, twin of ``reference/speculative/sampling.py``.
 
 Per row b, with that row's temperature T, top_k, top_p (the reference's order of operations):
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash2.reference.rng import Purpose
-from dflash2.reference.sampling_params import TOP_K_OFF, SamplingParams
+from dflash2.reference.request.rng import Purpose
+from dflash2.reference.request.sampling_params import TOP_K_OFF, SamplingParams
 
 from .philox import keyed_uniform_torch, philox_uniform, seeds_tensor
 from .triton_compat import tl, triton, use_triton

@@ -1,4 +1,4 @@
-"""The candidate selector walk for B requests, twin of ``reference/selector.py``.
+"""The candidate selector walk for B requests, twin of ``reference/speculative/selector.py``.
 
 For request b and slot i = 1..k (draft row i, logits row i-1)::
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash2.reference.rng import Purpose
+from dflash2.reference.request.rng import Purpose
 
 from .philox import keyed_uniform_torch, philox_uniform
 from .sampler import draw_torch

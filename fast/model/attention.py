@@ -1,4 +1,4 @@
-"""Gated full attention over paged K/V, batched over sequences (twin of reference/attention.py).
+"""Gated full attention over paged K/V, batched over sequences (twin of reference/model/attention.py).
 
 For the normalised input rows ``x [N, C]`` at absolute positions p::
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dflash2.reference.config import TargetConfig
+from dflash2.reference.formats.config import TargetConfig
 
 from .norm import rms_norm, zero_centred_scale
 from .params import Params

@@ -1,4 +1,4 @@
-"""The DFlash 2 draft forward, batched over requests: twin of ``reference/draft.py`` and ``reference/conv.py``.
+"""The DFlash 2 draft forward, batched over requests: twin of ``reference/model/draft.py`` and ``reference/model/conv.py``.
 
 Context side (after every target forward, over the N rows of many requests at once)::
 
@@ -40,14 +40,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash2.reference.draft_config import DraftConfig
+from dflash2.reference.formats.draft_config import DraftConfig
 
 from ..kernels.ring_attention import ring_attention
 from .norm import rms_norm
 from .rope import apply_rope, rope_cos_sin
 
 if TYPE_CHECKING:
-    from dflash2.fast.spec.ring_pool import RingPool
+    from dflash2.fast.speculative.ring_pool import RingPool
 
 K_TILE_ROWS = 256  # rows per fixed-shape GEMM; each tile reads the whole projection weight once
 

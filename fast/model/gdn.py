@@ -1,11 +1,11 @@
-"""The Gated DeltaNet mixer over state slots, batched over sequences (twin of reference/gdn.py).
+"""The Gated DeltaNet mixer over state slots, batched over sequences (twin of reference/model/gdn.py).
 
 For the normalised input rows x (one fused matmul gives c, z, b, a)::
 
     c'     = silu(causal depthwise conv of c, continuing from the slot's last K-1 inputs)
     q, k, v = split(c');  q = l2norm(q) / sqrt(Dk);  k = l2norm(k)
     g      = -exp(A_log) * softplus(a + dt_bias);   beta = sigmoid(b)
-    o      = gated delta rule from the slot's recurrent state (reference/delta_rule.py)
+    o      = gated delta rule from the slot's recurrent state (reference/model/delta_rule.py)
     y      = W_out gated_rms_norm(o, z)
 
 Each sequence starts from its slot (or from zeros: ``StepMeta.zero_state``). A prefill or decode
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash2.reference.config import TargetConfig
+from dflash2.reference.formats.config import TargetConfig
 
 from ..kernels.gdn_prefill import fla_available, gated_delta_rule_prefill_fla
 from ..kernels.gdn_recurrent import gated_delta_rule_verify_triton
@@ -65,7 +65,7 @@ def causal_conv1d_torch(x: Tensor, conv_state: Tensor, weight: Tensor, meta: Ste
 
 def gated_delta_rule_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, meta: StepMeta,
                            row_states: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The gated delta rule per sequence, a loop over time (reference/delta_rule.py), in fp32.
+    """The gated delta rule per sequence, a loop over time (reference/model/delta_rule.py), in fp32.
 
     q, k: ``[N, Hk, Dk]`` (q already scaled; key head i serves value heads i*r .. i*r+r-1);
     v: ``[N, Hv, Dv]``; g, beta: ``[N, Hv]``; state: fp32 ``[B, Hv, Dk, Dv]`` the starting states.

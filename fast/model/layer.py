@@ -1,4 +1,4 @@
-"""One pre-norm residual decoder layer over token-major rows (twin of reference/layer.py).
+"""One pre-norm residual decoder layer over token-major rows (twin of reference/model/layer.py).
 
     x = x + mixer(rmsnorm_in(x))        Gated DeltaNet (state slots) or gated full attention (paged K/V)
     x = x + mlp(rmsnorm_post(x))        dense SwiGLU or sparse MoE
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dflash2.reference.config import TargetConfig
+from dflash2.reference.formats.config import TargetConfig
 
 from .attention import FastAttention
 from .gdn import FastGDN

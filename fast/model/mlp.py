@@ -1,4 +1,4 @@
-"""The dense SwiGLU MLP (twin of reference/mlp.py), with gate and up fused into one matmul.
+"""The dense SwiGLU MLP (twin of reference/model/mlp.py), with gate and up fused into one matmul.
 
     y = W_down (silu(W_gate x) * (W_up x))
 """

@@ -1,4 +1,4 @@
-"""The sparse MoE with its gated shared expert (twin of reference/moe.py), batched over all rows.
+"""The sparse MoE with its gated shared expert (twin of reference/model/moe.py), batched over all rows.
 
     probs = softmax(W_router x) in fp32;  top-k experts, weights renormalised over the k
     y     = sum_{e in top} w_e W_down[e](silu(W_gate[e] x) * W_up[e] x) + sigmoid(w_sg . x) swiglu_shared(x)
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dflash2.reference.config import TargetConfig
+from dflash2.reference.formats.config import TargetConfig
 
 from .mlp import swiglu
 from .params import Params

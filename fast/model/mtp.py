@@ -1,4 +1,4 @@
-"""The batched MTP head over its own paged K/V (twin of reference/mtp.py).
+"""The batched MTP head over its own paged K/V (twin of reference/model/mtp.py).
 
 Each row is a pair (h_p, t_{p+1}) at position p: the target's final-normed hidden at p (or, when
 chaining, the MTP's own output hidden) and the token after it::
@@ -21,8 +21,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dflash2.reference.config import TargetConfig
-from dflash2.reference.errors import ConfigError, expect
+from dflash2.reference.formats.config import TargetConfig
+from dflash2.reference.formats.errors import ConfigError, expect
 
 from .batch import ForwardBatch
 from .layer import FastDecoderLayer

@@ -1,4 +1,4 @@
-"""RMSNorm in the two flavours of a Qwen3.5 hybrid (twin of reference/norm.py), computed in fp32.
+"""RMSNorm in the two flavours of a Qwen3.5 hybrid (twin of reference/model/norm.py), computed in fp32.
 
     zero-centred:  y = x / sqrt(mean(x^2) + eps) * (1 + w)        every norm but the GDN output's
     gated:         y = x / sqrt(mean(x^2) + eps) * w * silu(z)     the GDN output norm, per value head

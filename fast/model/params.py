@@ -1,4 +1,4 @@
-"""Canonical checkpoint tensors (reference/weights.py names) to device tensors for the fast models.
+"""Canonical checkpoint tensors (reference/formats/weights.py names) to device tensors for the fast models.
 
 Every tensor is checked against the canonical shape table before use, so a fast model refuses a
 checkpoint exactly where the reference would (a :class:`CheckpointError` naming the tensor).
@@ -12,9 +12,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from dflash2.reference.config import TargetConfig
-from dflash2.reference.errors import CheckpointError
-from dflash2.reference.weights import expected_target_shapes
+from dflash2.reference.formats.config import TargetConfig
+from dflash2.reference.formats.errors import CheckpointError
+from dflash2.reference.formats.weights import expected_target_shapes
 
 
 class Params:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dflash2.reference.config import TargetConfig
+from dflash2.reference.formats.config import TargetConfig
 
 from .batch import ForwardBatch
 

@@ -1,4 +1,4 @@
-"""Partial NeoX rotary embedding at absolute positions (twin of reference/rope.py).
+"""Partial NeoX rotary embedding at absolute positions (twin of reference/model/rope.py).
 
 The first ``rd`` channels of each head rotate as two halves ``(x1, x2)`` by the angle ``p * f_i``,
 ``f_i = theta^(-2i/rd)``; the rest pass through::

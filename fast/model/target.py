@@ -1,4 +1,4 @@
-"""The batched Qwen3.5 hybrid target (dense or MoE) over the cache pools (twin of reference/target.py).
+"""The batched Qwen3.5 hybrid target (dense or MoE) over the cache pools (twin of reference/model/target.py).
 
 One :meth:`FastTarget.forward` runs one engine step: the rows of B sequences, token-major
 ``[N]``, through every layer::
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash2.reference.config import TargetConfig
+from dflash2.reference.formats.config import TargetConfig
 
 from .batch import ForwardBatch
 from .layer import FastDecoderLayer
@@ -41,7 +41,7 @@ class FastOutput:
 
 
 class FastTarget:
-    """The fast target, built from canonical tensors (``dflash2.reference.checkpoint.load_target``)."""
+    """The fast target, built from canonical tensors (``dflash2.reference.formats.checkpoint.load_target``)."""
 
     def __init__(self, cfg: TargetConfig, weights: Mapping[str, Tensor], dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", tap_layers: tuple[int, ...] = (), ops: ModelOps = DEFAULT_OPS):

@@ -21,7 +21,7 @@ from typing import Callable
 import pytest
 
 from dflash2.fast.cli import main
-from dflash2.reference.target import ReferenceTarget
+from dflash2.reference.model.target import ReferenceTarget
 
 PROMPT_IDS = "5,17,42,99,3"
 

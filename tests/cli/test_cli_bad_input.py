@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash2.reference.draft_factory import write_tiny_draft
-from dflash2.reference.factory import TinyTargetSpec, tiny_target_config, write_tiny_target
+from dflash2.reference.tiny.draft import write_tiny_draft
+from dflash2.reference.tiny.target import TinyTargetSpec, tiny_target_config, write_tiny_target
 
 PROMPT = ["--prompt-ids", "5,17,42,99,3"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

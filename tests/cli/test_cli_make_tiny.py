@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dflash2.reference.factory import PRESETS
+from dflash2.reference.tiny.target import PRESETS
 
 # the real-vocabulary preset (248320 ids, 30 MB with its draft) is the slow one: ~6 s to write and run
 # once, so it runs once (the first test below) and nowhere else

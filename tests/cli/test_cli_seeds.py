@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash2.reference.rng import derive_seed
+from dflash2.reference.request.rng import derive_seed
 
 SAMPLING = ["--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--max-tokens", "16", "--ignore-eos",
             "--json"]

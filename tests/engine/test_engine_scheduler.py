@@ -8,10 +8,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash2.reference.stopping import Stopper
+from dflash2.reference.request.stopping import Stopper
 from dflash2.fast.engine.scheduler import (DecodePlan, PrefillPlan, Req, ReqStatus, Scheduler,
                                            pages_for)
-from dflash2.reference.sampling_params import SamplingParams
+from dflash2.reference.request.sampling_params import SamplingParams
 
 
 def req(rid: int, prompt_len: int, max_tokens: int, **params) -> Req:
