@@ -125,6 +125,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.engine == "fast":
         runner = _FastRunner(args)
     else:
+        if args.load_format != "auto":
+            raise UserInputError(f"load_format={args.load_format!r}: the reference engine reads the checkpoint's "
+                                 "tensors; expected 'auto' (dummy weights are for --engine fast)")
         runner = ReferenceRunner(args.model, speculative_algorithm=args.speculative_algorithm,
                                  draft_model_path=args.speculative_draft_model_path,
                                  num_steps=args.speculative_num_steps)

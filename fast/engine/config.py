@@ -18,6 +18,7 @@ import torch
 from dflash2.reference.formats.errors import ConfigError, expect, is_int
 
 SPECULATIVE_ALGORITHMS = ("none", "mtp", "dflash")
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (reference/tiny/dummy.py)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 AUTO = "auto"
@@ -39,6 +40,8 @@ class EngineConfig:
     speculative_draft_model_path: str | None = None  # the DFlash 2 draft folder (dflash only)
     speculative_num_steps: int | None = None  # k drafts per verify; None: block_size - 1 (dflash), 3 (mtp)
     seed: int = 0  # seeds torch's global generator at startup; every sampling draw is keyed by the request's seed
+    load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights (timing only)
+    enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying captured CUDA graphs
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):
@@ -83,6 +86,9 @@ class EngineConfig:
                "startup: >= 1 for mtp, 1 .. block_size - 1 for dflash)")
         expect(is_int(self.seed) and 0 <= self.seed < 2**63, ConfigError, "seed", self.seed,
                "an integer in [0, 2^63)")
+        expect(self.load_format in LOAD_FORMATS, ConfigError, "load_format", self.load_format,
+               f"one of {LOAD_FORMATS}")
+        expect(isinstance(self.enforce_eager, bool), ConfigError, "enforce_eager", self.enforce_eager, "a bool")
 
     def resolved(self) -> EngineConfig:
         """This config with ``device`` and ``dtype`` ``auto`` resolved for this machine."""
@@ -110,15 +116,20 @@ def _field(name: str):
 
 # flags of ``ft generate`` that fill EngineConfig fields (model_path is --model, the spec flags are shared)
 ENGINE_FLAGS = ("dtype", "device", "max_running_req", "max_num_batched_tokens", "page_size", "memory_ratio",
-                "cpu_cache_bytes", "max_model_len")
+                "cpu_cache_bytes", "max_model_len", "load_format", "enforce_eager")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add ``--dtype``, ``--device``, ... with defaults read from :class:`EngineConfig`."""
-    types = {"dtype": str, "device": str, "memory_ratio": float}
+    types = {"dtype": str, "device": str, "memory_ratio": float, "load_format": str}
+    choices = {"load_format": LOAD_FORMATS}
     for name in ENGINE_FLAGS:
         default = _field(name).default
-        parser.add_argument("--" + name.replace("_", "-"), type=types.get(name, int), default=default,
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", help=f"fast engine (default: {default})")
+            continue
+        parser.add_argument(flag, type=types.get(name, int), default=default, choices=choices.get(name),
                             help=f"fast engine (default: {default})")
 
 

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from dflash2.reference.formats.checkpoint import load_target
-from dflash2.reference.formats.config import TargetConfig
+from dflash2.reference.formats.config import TargetConfig, load_target_config
 from dflash2.reference.formats.draft_checkpoint import load_draft
+from dflash2.reference.formats.draft_config import load_draft_config
 from dflash2.reference.formats.errors import ConfigError, expect
 from dflash2.reference.formats.tokenizer import check_tokenizer_fits, eos_token_ids, has_tokenizer, load_tokenizer
+from dflash2.reference.tiny.dummy import DUMMY_LOAD_FORMAT, dummy_draft_weights, dummy_target_weights
 
 from ..model.draft import FastDraft
 from ..model.mtp import FastMTP
@@ -52,7 +54,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
     cfg = config.resolved()
     torch.manual_seed(cfg.seed)
     device, dtype = torch.device(cfg.device), cfg.torch_dtype
-    target_cfg, weights = load_target(cfg.model_path, dtype=None)  # as stored: the model casts per tensor
+    dummy = cfg.load_format == DUMMY_LOAD_FORMAT
+    if dummy:  # the config is validated as for a real checkpoint; the tensors are drawn on the device
+        target_cfg = load_target_config(cfg.model_path)
+        weights = dummy_target_weights(target_cfg, seed=cfg.seed, dtype=dtype, device=device)
+    else:
+        target_cfg, weights = load_target(cfg.model_path, dtype=None)  # as stored: the model casts per tensor
     max_model_len = cfg.max_model_len or target_cfg.max_position_embeddings
     expect(max_model_len <= target_cfg.max_position_embeddings, ConfigError, "max_model_len", max_model_len,
            f"at most the model's context of {target_cfg.max_position_embeddings} tokens")
@@ -63,7 +70,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
         num_steps = DEFAULT_MTP_STEPS if cfg.speculative_num_steps is None else cfg.speculative_num_steps
         expect(num_steps >= 1, ConfigError, "speculative_num_steps", num_steps, "an integer >= 1")
     elif cfg.speculative_algorithm == "dflash":
-        draft_cfg, draft_weights = load_draft(cfg.speculative_draft_model_path, target_cfg, cfg.speculative_num_steps)
+        if dummy:
+            draft_cfg = load_draft_config(cfg.speculative_draft_model_path, target_cfg, cfg.speculative_num_steps)
+            draft_weights = dummy_draft_weights(draft_cfg, seed=cfg.seed + 1, dtype=dtype, device=device)
+        else:
+            draft_cfg, draft_weights = load_draft(cfg.speculative_draft_model_path, target_cfg,
+                                                  cfg.speculative_num_steps)
         num_steps = draft_cfg.num_steps
     tokenizer = None
     if has_tokenizer(cfg.model_path):

@@ -27,7 +27,10 @@ class Params:
         self.dtype = dtype
         self.device = torch.device(device)
         self.shapes = expected_target_shapes(cfg)
-        self._converted: dict[tuple[int, torch.dtype], Tensor] = {}  # tied tensors are converted once
+        # converted tensors by (name, dtype); a tied head shares its embedding's entry, so it is converted once.
+        # Keyed by name, not id(tensor): a lazy mapping (dummy weights) draws a new tensor per read, and a
+        # freed tensor's id can be reused by the next one.
+        self._converted: dict[tuple[str, torch.dtype], Tensor] = {}
 
     def raw(self, name: str) -> Tensor:
         if name not in self.shapes:
@@ -42,10 +45,11 @@ class Params:
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
         """The tensor in ``dtype`` (default: the model dtype) on the model's device."""
-        tensor, dtype = self.raw(name), dtype or self.dtype
-        key = (id(tensor), dtype)
+        dtype = dtype or self.dtype
+        tied = name == "lm_head.weight" and self.cfg.tie_word_embeddings
+        key = ("embed_tokens.weight" if tied else name, dtype)
         if key not in self._converted:
-            self._converted[key] = tensor.detach().to(device=self.device, dtype=dtype).contiguous()
+            self._converted[key] = self.raw(name).detach().to(device=self.device, dtype=dtype).contiguous()
         return self._converted[key]
 
     def fused(self, *names: str) -> Tensor:

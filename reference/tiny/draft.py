@@ -77,13 +77,13 @@ def tiny_draft_config(target: TargetConfig, *, num_layers: int = 2, block_size: 
     }
 
 
-def _init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """A random value for one draft tensor, scaled by its role."""
-    noise = torch.randn(shape, generator=gen)
+def init_draft_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """A random value for one draft tensor, fp32 on the generator's device, scaled by its role."""
+    noise = torch.randn(shape, generator=gen, device=gen.device)
     if name.endswith("norm.weight"):
         return 1.0 + 0.1 * noise
     if name.endswith("base_kernel"):  # [2, K, C]: identity-like tap 0, small later taps
-        taps = torch.zeros(shape)
+        taps = torch.zeros(shape, device=gen.device)
         taps[:, 0] = 1.0
         return taps + 0.2 * noise
     if name.endswith("kernel_projection.weight"):
@@ -107,7 +107,7 @@ def write_tiny_draft(path: str | Path, target_path_or_cfg: str | Path | TargetCo
                             target_layer_ids=target_layer_ids, **config_overrides)
     cfg = parse_draft_config(raw, target)  # a factory that writes an unservable draft is a bug
     gen = torch.Generator().manual_seed(seed)
-    tensors = {name: _init_tensor(name, shape, gen).to(dtype).contiguous()
+    tensors = {name: init_draft_tensor(name, shape, gen).to(dtype).contiguous()
                for name, shape in expected_draft_shapes(cfg).items()}
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)

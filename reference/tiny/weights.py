@@ -46,19 +46,20 @@ def tiny_target_weights(cfg: TargetConfig, seed: int) -> dict[str, torch.Tensor]
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             weights[name] = weights["embed_tokens.weight"]
             continue
-        weights[name] = _init_tensor(name, shape, gen, c)
+        weights[name] = init_target_tensor(name, shape, gen, c)
     return weights
 
 
 def _normal(shape, std: float, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+    return torch.randn(shape, generator=gen, dtype=torch.float32, device=gen.device) * std
 
 
 def _uniform(shape, low: float, high: float, gen: torch.Generator) -> torch.Tensor:
-    return low + (high - low) * torch.rand(shape, generator=gen, dtype=torch.float32)
+    return low + (high - low) * torch.rand(shape, generator=gen, dtype=torch.float32, device=gen.device)
 
 
-def _init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, hidden: int) -> torch.Tensor:
+def init_target_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, hidden: int) -> torch.Tensor:
+    """One canonical target tensor, fp32 on the generator's device, scaled by its role (module docstring)."""
     if name.endswith("linear_attn.A_log"):
         return _uniform(shape, 1.0, 16.0, gen).log()
     if name.endswith("linear_attn.dt_bias"):
