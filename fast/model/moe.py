@@ -6,6 +6,10 @@
 The routed experts are an op (:attr:`ModelOps.moe_experts`). Its torch form groups the (row,
 choice) pairs by expert and runs one matmul pair per expert that has rows (a loop over experts,
 never over requests); it reads the per-expert counts on the host, one device sync per layer.
+:func:`moe_experts`, the op's default, sends CUDA tensors of up to ``MAX_TRITON_PAIRS`` (row,
+choice) pairs (decode and verify steps) to the sync-free, graph-capturable Triton kernels
+(fast/kernels/moe.py), as it does any size inside a CUDA-graph capture; everything else (CPU, long
+prefills) goes to the torch form.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from torch import Tensor
 
 from dflash2.reference.formats.config import TargetConfig
 
+from ..kernels.moe import MAX_TRITON_PAIRS, moe_experts_triton
+from ..kernels.triton_compat import use_triton
 from .mlp import swiglu
 from .params import Params
 
@@ -40,6 +46,15 @@ def moe_experts_torch(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: T
             start += count
     weighted = outs * weights.reshape(-1)[order, None]  # [N k, C]
     return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, rows, weighted)
+
+
+def moe_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """``moe_experts_torch``'s contract; by the Triton kernels (no host sync) for CUDA tensors of at
+    most ``MAX_TRITON_PAIRS`` (row, choice) pairs, and of any size inside a CUDA-graph capture."""
+    if use_triton(x, expert_ids, weights, gate_up, down) and (
+            expert_ids.numel() <= MAX_TRITON_PAIRS or torch.cuda.is_current_stream_capturing()):
+        return moe_experts_triton(x, expert_ids, weights, gate_up, down)
+    return moe_experts_torch(x, expert_ids, weights, gate_up, down)
 
 
 class FastMoE:

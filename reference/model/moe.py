@@ -38,13 +38,28 @@ def route(x: Tensor, w_router: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     return expert_ids, top_probs / top_probs.sum(dim=-1, keepdim=True)
 
 
+def routed_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """The weighted sum of each token's chosen experts: ``sum_j weights[t, j] expert_{expert_ids[t, j]}(x_t)``.
+
+    x: ``[T, C]``; expert_ids: ``[T, k]`` (a token's k experts distinct); weights: ``[T, k]``;
+    gate_up: ``[E, 2I, C]``; down: ``[E, C, I]``. Returns ``[T, C]`` in x's dtype.
+    """
+    width = gate_up.shape[1] // 2
+    routed = torch.zeros_like(x)  # [T, C]
+    for e in range(gate_up.shape[0]):
+        tokens, slots = torch.nonzero(expert_ids == e, as_tuple=True)  # each token at most once
+        if tokens.numel():
+            w_gate, w_up = gate_up[e, :width], gate_up[e, width:]  # [I, C] each
+            routed[tokens] += weights[tokens, slots, None] * swiglu(x[tokens], w_gate, w_up, down[e])  # [N, C]
+    return routed
+
+
 class SparseMoE:
     """The MoE sublayer, reading ``{prefix}mlp.*`` (router, fused experts, shared expert)."""
 
     def __init__(self, cfg: TargetConfig, weights: Mapping[str, Tensor], prefix: str):
         p = f"{prefix}mlp."
         self.top_k = cfg.num_experts_per_tok
-        self.width = cfg.moe_intermediate_size
         self.w_router = weights[f"{p}gate.weight"]  # [E, C]
         self.gate_up = weights[f"{p}experts.gate_up_proj"]  # [E, 2I, C]
         self.down = weights[f"{p}experts.down_proj"]  # [E, C, I]
@@ -53,19 +68,10 @@ class SparseMoE:
         self.shared_down = weights[f"{p}shared_expert.down_proj.weight"]  # [C, Is]
         self.shared_expert_gate = weights[f"{p}shared_expert_gate.weight"]  # [1, C]
 
-    def expert(self, e: int, x: Tensor) -> Tensor:
-        """Routed expert e on x ``[N, C]``; returns ``[N, C]``."""
-        w_gate, w_up = self.gate_up[e, :self.width], self.gate_up[e, self.width:]  # [I, C] each
-        return swiglu(x, w_gate, w_up, self.down[e])
-
     def forward(self, x: Tensor) -> Tensor:
         """x: ``[T, C]`` (after post_attention_layernorm). Returns ``[T, C]``."""
         expert_ids, weights = route(x, self.w_router, self.top_k)  # [T, k], [T, k]
-        routed = torch.zeros_like(x)  # [T, C]
-        for e in range(self.gate_up.shape[0]):
-            tokens, slots = torch.nonzero(expert_ids == e, as_tuple=True)  # each token at most once
-            if tokens.numel():
-                routed[tokens] += weights[tokens, slots, None] * self.expert(e, x[tokens])  # [N, C]
+        routed = routed_experts(x, expert_ids, weights, self.gate_up, self.down)  # [T, C]
         shared = torch.sigmoid(x @ self.shared_expert_gate.T) * swiglu(
             x, self.shared_gate, self.shared_up, self.shared_down)  # [T, C]
         return routed + shared

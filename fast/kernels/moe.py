@@ -1,0 +1,226 @@
+"""The routed experts of the MoE sublayer as two Triton kernels, sync-free and graph-capturable,
+twin of ``reference/model/moe.routed_experts`` (torch twin: ``fast/model/moe.moe_experts_torch``).
+
+N rows, k choices each, E experts of width I, pairs ``p = n k + j`` (P = N k)::
+
+    h_p   = silu(W_gate[e_p] x_n) * (W_up[e_p] x_n)                  [I]     e_p = expert_ids[n, j]
+    y_n   = sum_j weights[n, j] W_down[e_p] h_p                       [C], fp32
+
+Kernel 1, one program per (pair p, I tile of ``block_i``): the program whose pair is the first
+one (lowest p) choosing its expert e leads; the others exit after scanning the P ids. The
+leader gathers the pairs choosing e in chunks of ``block_m`` (ascending p, found by a prefix
+count over the ids), computes their ``h`` tile from the tile's gate and up rows (fp32
+accumulation over C), and multiplies it straight into the tile's columns of W_down[e], writing
+the partial products ``partials [P, T, C]`` fp32 (T = I / block_i tiles; split-K over I). Each
+tile of each active expert's weights is read once per chunk of ``block_m`` pairs, i.e. once a
+step while no expert has more than ``block_m`` rows. Kernel 2, one program per (row, C tile),
+sums ``y_n = sum_j weights[n, j] sum_t partials[p, t]`` in that fixed order: no atomics, so
+the result is bitwise reproducible and a CUDA-graph replay equals the eager call.
+
+No host sync and no data-dependent shape: the grids and buffers depend on (N, k, E, C, I) only.
+What bounds it: the weight bytes of the distinct experts chosen (memory); the partials add
+``2 P T C x 4`` bytes and the id scans ``P x T x P`` loads from L2, which is why the model's
+dispatch sends more than :data:`MAX_TRITON_PAIRS` pairs (a long prefill) to the torch form.
+bench/kernels/bench_moe.py measures the fraction of the floor reached.
+
+A precondition that cannot be checked without a sync: every id in ``[0, E)``. (A row may repeat
+an expert here, each pair counts once; the reference assumes a row's k experts distinct.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .triton_compat import tl, triton
+
+MAX_TRITON_PAIRS = 2048  # (row, choice) pairs; above, the id scans grow as P^2 (bench_moe.py's N = 256 is the limit)
+
+
+@dataclass(frozen=True)
+class MoEBlocks:
+    """Block sizes of the two kernels (powers of two; the tl.dot ones at least 16)."""
+
+    block_m: int = 16  # pairs per chunk (rows of the tl.dot)
+    block_i: int = 32  # the I tile one program owns (split-K of the down projection)
+    block_k: int = 128  # C step of the gate/up accumulation
+    block_c: int = 128  # C step of the down projection
+    pair_tile: int = 32  # ids scanned per step (wider tiles cost registers: 168 vs 128 at N = 16, sm_90)
+    sum_block_c: int = 64  # C tile of the sum kernel
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_blocks(rows: int) -> MoEBlocks:
+    """Defaults by row count: decode and verify (few rows per expert) keep 16-row chunks; I tiles
+    of 32 give 16 tiles of work per active expert (8 experts: 128 programs for 132 SMs), wider tiles
+    once enough experts are active to fill the GPU (fewer partials to write and sum)."""
+    if rows <= 8:
+        return MoEBlocks()
+    if rows <= 128:
+        return MoEBlocks(block_i=64)
+    return MoEBlocks(block_m=64, block_i=64)
+
+
+# -- Triton ---------------------------------------------------------------------------------------
+
+@triton.jit
+def _scan_expert(ids_ptr, p, num_pairs, P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr):
+    """Pair p's expert e, how many pairs choose e, and whether p is the first of them."""
+    e = tl.load(ids_ptr + p)
+    count = 0
+    before = 0
+    for t in range(P_PAD // PAIR_TILE):
+        q = t * PAIR_TILE + tl.arange(0, PAIR_TILE)
+        match = (tl.load(ids_ptr + q, mask=q < num_pairs, other=-1) == e).to(tl.int32)
+        count += tl.sum(match, axis=0)
+        before += tl.sum(tl.where(q < p, match, 0), axis=0)
+    return e, count, before == 0
+
+
+@triton.jit
+def _chunk_pairs(ids_ptr, e, num_pairs, first, P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """The pairs choosing e with ranks ``first .. first + BLOCK_M - 1`` in ascending pair order
+    (0 where there are fewer: the caller masks ranks >= count)."""
+    wanted = first + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    pairs = tl.zeros([BLOCK_M], dtype=tl.int32)
+    seen = 0  # pairs choosing e in the tiles already scanned
+    for t in range(P_PAD // PAIR_TILE):
+        q = t * PAIR_TILE + tl.arange(0, PAIR_TILE)
+        match = (tl.load(ids_ptr + q, mask=q < num_pairs, other=-1) == e).to(tl.int32)
+        rank = seen + tl.cumsum(match, axis=0) - 1  # [PAIR_TILE], the rank of each matching pair
+        hit = (match[None, :] == 1) & (rank[None, :] == wanted[:, None])  # [BLOCK_M, PAIR_TILE], one per row
+        pairs += tl.sum(tl.where(hit, q[None, :], 0), axis=1)
+        seen += tl.sum(match, axis=0)
+    return pairs
+
+
+@triton.jit
+def _moe_expert_tile_kernel(x_ptr, ids_ptr, gate_up_ptr, down_ptr, partials_ptr, num_pairs,
+                            C: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, NUM_TILES: tl.constexpr,
+                            P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    p = tl.program_id(0)
+    tile = tl.program_id(1)
+    e, count, leader = _scan_expert(ids_ptr, p, num_pairs, P_PAD, PAIR_TILE)
+    if leader:
+        i_offs = tile * BLOCK_I + tl.arange(0, BLOCK_I)
+        in_i = i_offs < I
+        # dense weights: W_gate[e] is rows 0 .. I-1 of gate_up[e] [2I, C], W_up[e] rows I .. 2I-1
+        gate_rows = gate_up_ptr + e * (2 * I * C) + i_offs * C  # [BLOCK_I] row starts of W_gate[e]
+        up_rows = gate_rows + I * C
+        down_cols = down_ptr + e * (C * I) + i_offs  # [BLOCK_I] column starts of W_down[e] [C, I]
+        m = tl.arange(0, BLOCK_M)
+        for chunk in range(MAX_CHUNKS):
+            if chunk * BLOCK_M < count:
+                pairs = _chunk_pairs(ids_ptr, e, num_pairs, chunk * BLOCK_M, P_PAD, PAIR_TILE, BLOCK_M)
+                valid = chunk * BLOCK_M + m < count
+                rows = (pairs // TOP_K).to(tl.int64)
+                acc_gate = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+                for k0 in range(0, C, BLOCK_K):
+                    k_offs = k0 + tl.arange(0, BLOCK_K)
+                    in_k = k_offs < C
+                    a = tl.load(x_ptr + rows[:, None] * C + k_offs[None, :],
+                                mask=valid[:, None] & in_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+                    w_mask = in_k[:, None] & in_i[None, :]
+                    w_gate = tl.load(gate_rows[None, :] + k_offs[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_I]
+                    w_up = tl.load(up_rows[None, :] + k_offs[:, None], mask=w_mask, other=0.0)
+                    acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+                    acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+                h = (acc_gate * tl.sigmoid(acc_gate) * acc_up).to(down_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_I]
+                out_rows = partials_ptr + pairs.to(tl.int64) * (NUM_TILES * C) + tile * C  # [BLOCK_M]
+                for c0 in range(0, C, BLOCK_C):
+                    c_offs = c0 + tl.arange(0, BLOCK_C)
+                    in_c = c_offs < C
+                    w_down = tl.load(down_cols[:, None] + c_offs[None, :] * I,
+                                     mask=in_i[:, None] & in_c[None, :], other=0.0)  # [BLOCK_I, BLOCK_C]
+                    y = tl.dot(h, w_down, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_C] fp32
+                    tl.store(out_rows[:, None] + c_offs[None, :], y, mask=valid[:, None] & in_c[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(partials_ptr, weights_ptr, out_ptr, C: tl.constexpr, TOP_K: tl.constexpr,
+                    NUM_TILES: tl.constexpr, TILES_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    c_offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_c = c_offs < C
+    t = tl.arange(0, TILES_PAD)
+    mask = (t < NUM_TILES)[:, None] & in_c[None, :]
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for j in range(TOP_K):  # fixed order: choice j, then the I tiles, so every run adds alike
+        pair = n * TOP_K + j
+        part = tl.load(partials_ptr + pair * (NUM_TILES * C) + t[:, None] * C + c_offs[None, :], mask=mask,
+                       other=0.0)  # [TILES_PAD, BLOCK_C]
+        acc += tl.load(weights_ptr + pair) * tl.sum(part, axis=0)
+    tl.store(out_ptr + n * C + c_offs, acc, mask=in_c)
+
+
+def check_moe_inputs(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> None:
+    """x [N, C], expert_ids [N, k] integer, weights [N, k], gate_up [E, 2I, C], down [E, C, I]; one float dtype."""
+    if x.dim() != 2:
+        raise ValueError(f"x {list(x.shape)}: expected [N, C]")
+    rows, hidden = x.shape
+    if gate_up.dim() != 3 or gate_up.shape[2] != hidden or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up {list(gate_up.shape)}: expected [E, 2I, {hidden}]")
+    num_experts, width = gate_up.shape[0], gate_up.shape[1] // 2
+    if down.shape != (num_experts, hidden, width):
+        raise ValueError(f"down {list(down.shape)}: expected [{num_experts}, {hidden}, {width}]")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != rows or expert_ids.dtype.is_floating_point:
+        raise ValueError(f"expert_ids {list(expert_ids.shape)} {expert_ids.dtype}: expected integer [{rows}, k]")
+    if weights.shape != expert_ids.shape:
+        raise ValueError(f"weights {list(weights.shape)}: expected {list(expert_ids.shape)}")
+    if not (x.dtype == gate_up.dtype == down.dtype) or not x.dtype.is_floating_point:
+        raise ValueError(f"x {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}: expected one float dtype")
+
+
+def moe_experts_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, *,
+                       blocks: MoEBlocks | None = None, out: Tensor | None = None,
+                       partials: Tensor | None = None) -> Tensor:
+    """``moe_experts_torch``'s contract by the two kernels: x ``[N, C]``, expert_ids ``[N, k]``, weights
+    ``[N, k]``, gate_up ``[E, 2I, C]`` (gate rows first), down ``[E, C, I]``; returns ``y [N, C]`` fp32.
+
+    ``blocks`` defaults to :func:`default_blocks`. ``out`` (fp32 ``[N, C]``) and ``partials``
+    (fp32 ``[N k, T, C]``, T = ceil(I / block_i)) are the buffers to write instead of fresh ones
+    (static buffers of a captured graph; the tests poison them).
+    """
+    check_moe_inputs(x, expert_ids, weights, gate_up, down)
+    rows, hidden = x.shape
+    top_k = expert_ids.shape[1]
+    width = gate_up.shape[1] // 2
+    num_pairs = rows * top_k
+    blocks = default_blocks(rows) if blocks is None else blocks
+    num_tiles = triton.cdiv(width, blocks.block_i)
+    if out is None:
+        out = torch.empty((rows, hidden), dtype=torch.float32, device=x.device)
+    elif (out.shape != (rows, hidden) or out.dtype != torch.float32 or not out.is_contiguous()
+          or out.device != x.device):
+        raise ValueError(f"out {list(out.shape)} {out.dtype} on {out.device}: expected contiguous fp32 "
+                         f"[{rows}, {hidden}] on {x.device}")
+    if partials is None:
+        partials = torch.empty((num_pairs, num_tiles, hidden), dtype=torch.float32, device=x.device)
+    elif (partials.shape != (num_pairs, num_tiles, hidden) or partials.dtype != torch.float32
+          or not partials.is_contiguous() or partials.device != x.device):
+        raise ValueError(f"partials {list(partials.shape)} {partials.dtype} on {partials.device}: expected "
+                         f"contiguous fp32 [{num_pairs}, {num_tiles}, {hidden}] on {x.device}")
+    if num_pairs == 0:
+        return out.zero_()
+    x, gate_up, down, ids = (t.contiguous() for t in (x, gate_up, down, expert_ids))  # the model's are already
+    weights = weights.to(torch.float32).contiguous()
+    pairs_pad = triton.next_power_of_2(num_pairs)
+    pair_tile = min(blocks.pair_tile, pairs_pad)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays fp32; tf32 is unused for bf16/fp16
+    _moe_expert_tile_kernel[(num_pairs, num_tiles)](
+        x, ids, gate_up, down, partials, num_pairs,
+        C=hidden, I=width, TOP_K=top_k, NUM_TILES=num_tiles, P_PAD=pairs_pad, PAIR_TILE=pair_tile,
+        MAX_CHUNKS=triton.cdiv(pairs_pad, blocks.block_m), BLOCK_M=blocks.block_m, BLOCK_I=blocks.block_i,
+        BLOCK_K=blocks.block_k, BLOCK_C=blocks.block_c, DOT_PRECISION=precision,
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    _moe_sum_kernel[(rows, triton.cdiv(hidden, blocks.sum_block_c))](
+        partials, weights, out, C=hidden, TOP_K=top_k, NUM_TILES=num_tiles,
+        TILES_PAD=triton.next_power_of_2(num_tiles), BLOCK_C=blocks.sum_block_c)
+    return out
