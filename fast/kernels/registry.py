@@ -42,7 +42,31 @@ KERNELS: tuple[KernelTwin, ...] = (
                ("dflash2.fast.kernels.gdn_recurrent:gated_delta_rule_verify_torch",
                 "dflash2.fast.kernels.gdn_recurrent:gated_delta_rule_verify_triton"),
                "dflash2.reference.model.delta_rule:gated_delta_rule_recurrent", "conformance/ops/test_gdn_recurrent.py"),
+    KernelTwin("paged_attention",  # the torch twin is the model's own torch form (a gather of the whole context)
+               ("dflash2.fast.model.attention:paged_attention_torch",
+                "dflash2.fast.kernels.paged_attention:paged_attention_triton"),
+               "dflash2.reference.model.attention:causal_attention", "conformance/ops/test_paged_attention.py"),
     KernelTwin("gdn_prefill",  # flash-linear-attention's chunked Triton kernels, CUDA only; no torch twin of its own
                ("dflash2.fast.kernels.gdn_prefill:gated_delta_rule_prefill_fla",),
                "dflash2.reference.model.delta_rule:gated_delta_rule_recurrent", "conformance/ops/test_gdn_prefill.py"),
+    KernelTwin("moe",  # torch twin: the model's torch form (one matmul pair per active expert, a host sync)
+               ("dflash2.fast.model.moe:moe_experts_torch", "dflash2.fast.kernels.moe:moe_experts_triton"),
+               "dflash2.reference.model.moe:routed_experts", "conformance/ops/test_moe.py"),
+    KernelTwin("add_rms_norm",  # torch twin: the model's residual add then its zero-centred norm
+               ("dflash2.fast.model.norm:add_rms_norm_torch", "dflash2.fast.kernels.rms_norm:add_rms_norm_triton"),
+               "dflash2.reference.model.norm:rms_norm", "conformance/ops/test_rms_norm.py"),
+    KernelTwin("gated_rms_norm",
+               ("dflash2.fast.model.norm:gated_rms_norm_torch", "dflash2.fast.kernels.rms_norm:gated_rms_norm_triton"),
+               "dflash2.reference.model.norm:gated_rms_norm", "conformance/ops/test_rms_norm.py"),
+    KernelTwin("gdn_prologue",  # conv + silu + l2norms + g/beta; the test composes the reference's pieces
+               ("dflash2.fast.model.gdn:gdn_prologue_torch", "dflash2.fast.kernels.gdn_prologue:gdn_prologue_triton"),
+               "dflash2.reference.model.gdn:causal_conv1d", "conformance/ops/test_gdn_prologue.py"),
+    KernelTwin("qk_norm_rope",  # per-head norms + RoPE + the K/V write; the test composes rms_norm and apply_rope
+               ("dflash2.fast.model.rope:qk_norm_rope_torch",
+                "dflash2.fast.kernels.attention_prologue:qk_norm_rope_triton"),
+               "dflash2.reference.model.rope:apply_rope", "conformance/ops/test_attention_prologue.py"),
+    KernelTwin("output_gate",  # the reference's gate is the line attn * sigmoid(gate) of GatedAttention.forward
+               ("dflash2.fast.kernels.attention_prologue:output_gate_torch",
+                "dflash2.fast.kernels.attention_prologue:output_gate_triton"),
+               "dflash2.reference.model.attention:GatedAttention", "conformance/ops/test_attention_prologue.py"),
 )

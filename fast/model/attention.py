@@ -8,7 +8,9 @@ For the normalised input rows ``x [N, C]`` at absolute positions p::
     y   = W_o [a_h * sigmoid(gate_h)]_h                                  j(h) = h // (H/Hkv)
 
 W_q, W_k and W_v are fused into one matmul. The attention core is an op
-(:attr:`ModelOps.paged_attention`); :func:`paged_attention_torch` is its torch form.
+(:attr:`ModelOps.paged_attention`); :func:`paged_attention_torch` is its torch form (a gather of
+each sequence's whole context), :func:`paged_attention` its default: decode and verify steps on
+CUDA go to the split-KV kernel (fast/kernels/paged_attention.py), which reads the pages in place.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from torch import Tensor
 
 from dflash2.reference.formats.config import TargetConfig
 
-from .norm import rms_norm, zero_centred_scale
+from ..kernels.attention_prologue import output_gate
+from ..kernels.paged_attention import MAX_QUERY_LEN, paged_attention_triton
+from ..kernels.triton_compat import use_triton
+from .norm import zero_centred_scale
 from .params import Params
 from .pools import PagedKV
-from .rope import apply_rope
+from .rope import qk_norm_rope
 from .step import StepMeta
 
 
@@ -50,6 +55,14 @@ def paged_attention_torch(q: Tensor, key_cache: Tensor, value_cache: Tensor, met
     return meta.unpad(out.reshape(meta.num_seqs, meta.max_query_len, heads, head_dim))
 
 
+def paged_attention(q: Tensor, key_cache: Tensor, value_cache: Tensor, meta: StepMeta) -> Tensor:
+    """``paged_attention_torch``'s contract; steps of at most 16 rows per sequence (decode, verify)
+    on CUDA run the Triton split-KV kernel, everything else (prefill chunks, CPU) the torch form."""
+    if use_triton(q, key_cache, value_cache) and 1 <= meta.max_query_len <= MAX_QUERY_LEN:
+        return paged_attention_triton(q, key_cache, value_cache, meta)
+    return paged_attention_torch(q, key_cache, value_cache, meta)
+
+
 class FastAttention:
     """One gated full-attention mixer, reading ``{prefix}self_attn.*``."""
 
@@ -68,13 +81,9 @@ class FastAttention:
         cfg = self.cfg
         rows, h, hkv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
-        query_gate, k, v = torch.split(x @ self.w_qkv.T, [2 * h * d, hkv * d, hkv * d], dim=-1)
-        query_gate = query_gate.view(rows, h, 2 * d)  # per head [query D | gate D]
-        q, gate = query_gate[..., :d], query_gate[..., d:]  # [N, H, D] each
-        q = apply_rope(rms_norm(q, self.q_scale, eps, torch.float32), meta.rope_cos, meta.rope_sin).to(self.dtype)
-        k = apply_rope(rms_norm(k.view(rows, hkv, d), self.k_scale, eps, torch.float32), meta.rope_cos,
-                       meta.rope_sin).to(self.dtype)  # [N, Hkv, D]
-        kv.write(meta.kv_write_index, k, v.view(rows, hkv, d))
+        qkv = x @ self.w_qkv.T  # [N, H 2D + 2 Hkv D]
+        gate = qkv[:, :2 * h * d].view(rows, h, 2 * d)[..., d:]  # [N, H, D]: per head [query D | gate D]
+        q = qk_norm_rope(qkv, self.q_scale, self.k_scale, meta.rope_cos, meta.rope_sin, eps, h, hkv, kv.key_storage,
+                         kv.value_storage, meta.kv_write_index)  # [N, H, D]; the rows' K/V are written
         attn = self.paged_attention(q, kv.key_storage, kv.value_storage, meta)  # [N, H, D]
-        attn = attn * torch.sigmoid(gate)
-        return attn.reshape(rows, h * d) @ self.w_o.T  # [N, C]
+        return output_gate(attn, gate) @ self.w_o.T  # [N, C]

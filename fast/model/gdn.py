@@ -14,12 +14,16 @@ step writes the final conv and recurrent states back to the slot. A verify step
 after every row and every row's conv input, from which ``pools.commit_verify`` installs the state
 after the last kept row.
 
-The conv and the recurrence are ops (:attr:`ModelOps.causal_conv1d`,
-:attr:`ModelOps.gated_delta_rule`); the torch forms below pad the rows to ``[B, Tq, ...]`` and
-loop the recurrence over time. Padded steps leave the state exactly unchanged (g = 0, beta = 0,
-k = 0), so the state after the loop is each sequence's own final state. :func:`gated_delta_rule`,
-the op's default, sends CUDA tensors to the kernels (fast/kernels/gdn_recurrent.py,
-fast/kernels/gdn_prefill.py) and everything else to the torch form.
+Everything between the input projection and the recurrence (verify-input capture, the conv and
+its state, silu, the L2 norms, g and beta) is :func:`gdn_prologue`: on CUDA, decode and verify
+steps run it as one kernel (fast/kernels/gdn_prologue.py) when the conv op is the default, and
+the gated output norm as another (fast/kernels/rms_norm.py). The conv and the recurrence are ops
+(:attr:`ModelOps.causal_conv1d`, :attr:`ModelOps.gated_delta_rule`); the torch forms below pad the
+rows to ``[B, Tq, ...]`` and loop the recurrence over time. Padded steps leave the state exactly
+unchanged (g = 0, beta = 0, k = 0), so the state after the loop is each sequence's own final
+state. :func:`gated_delta_rule`, the op's default, sends CUDA tensors to the kernels
+(fast/kernels/gdn_recurrent.py, fast/kernels/gdn_prefill.py) and everything else to the torch
+form; with it, decode and verify steps read the starting states from the slot pool in place.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch import Tensor
 from dflash2.reference.formats.config import TargetConfig
 
 from ..kernels.gdn_prefill import fla_available, gated_delta_rule_prefill_fla
+from ..kernels.gdn_prologue import gdn_prologue_triton
 from ..kernels.gdn_recurrent import gated_delta_rule_verify_triton
 from ..kernels.triton_compat import use_triton
 from .norm import gated_rms_norm
@@ -106,6 +111,48 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     return o, (final if row_states is None else row_states[:meta.num_seqs, meta.max_query_len - 1])
 
 
+def gdn_prologue_torch(conv_in: Tensor, b: Tensor, a: Tensor, conv_states: Tensor, conv_weight: Tensor,
+                       neg_decay: Tensor, dt_bias: Tensor, meta: StepMeta, key_heads: int, key_dim: int,
+                       verify_inputs: Tensor | None = None, causal_conv1d=causal_conv1d_torch
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """From the projection's conv inputs ``conv_in [N, Cd]`` and ``b, a [N, Hv]``: the recurrence's inputs.
+
+    The conv continues from ``conv_states [S, Cd, K-1]`` at ``meta.state_index`` (zeros where
+    ``meta.zero_state``); ``neg_decay`` = -exp(A_log) and ``dt_bias`` are fp32 ``[Hv]``. A verify
+    step (``verify_inputs [>= B, >= Tq, Cd]`` given) stores every row's conv input at
+    ``[seq_index, row_in_seq]`` and leaves the states alone; any other step writes each sequence's
+    final conv state back to its slot. Returns ``(q, k [N, Hk, Dk] fp32 (q scaled by Dk^-1/2),
+    v [N, Hv, Dv] in conv_in's dtype, g, beta [N, Hv] fp32)``.
+    """
+    rows, value_heads = conv_in.shape[0], b.shape[-1]
+    value_dim = (conv_in.shape[1] - 2 * key_heads * key_dim) // value_heads
+    if verify_inputs is not None:
+        verify_inputs[meta.seq_index, meta.row_in_seq] = conv_in.to(verify_inputs.dtype)
+    start = torch.where(meta.zero_state[:, None, None], 0.0, conv_states[meta.state_index])  # [B, Cd, K-1]
+    conv_out, final = causal_conv1d(conv_in, start, conv_weight, meta)  # [N, Cd]
+    if verify_inputs is None:
+        conv_states.index_copy_(0, meta.state_index, final.to(conv_states.dtype))
+    q, k, v = torch.split(conv_out, [key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], dim=-1)
+    q = l2norm(q.reshape(rows, key_heads, key_dim)) / key_dim ** 0.5  # [N, Hk, Dk] fp32
+    k = l2norm(k.reshape(rows, key_heads, key_dim))  # [N, Hk, Dk] fp32
+    g = neg_decay * F.softplus(a.float() + dt_bias)  # [N, Hv]
+    beta = torch.sigmoid(b.float())  # [N, Hv]
+    return q, k, v.reshape(rows, value_heads, value_dim), g, beta
+
+
+def gdn_prologue(conv_in: Tensor, b: Tensor, a: Tensor, conv_states: Tensor, conv_weight: Tensor, neg_decay: Tensor,
+                 dt_bias: Tensor, meta: StepMeta, key_heads: int, key_dim: int, verify_inputs: Tensor | None = None,
+                 causal_conv1d=causal_conv1d_torch) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``gdn_prologue_torch``'s contract. On CUDA with the default conv op, verify steps and decode steps
+    (one row per sequence) run the fused kernel; prefill chunks and a replaced conv op the torch form."""
+    if (causal_conv1d is causal_conv1d_torch and use_triton(conv_in, conv_states)
+            and (verify_inputs is not None or meta.max_query_len == 1)):
+        return gdn_prologue_triton(conv_in, b, a, conv_states, conv_weight, neg_decay, dt_bias, meta, key_heads,
+                                   key_dim, verify_inputs)
+    return gdn_prologue_torch(conv_in, b, a, conv_states, conv_weight, neg_decay, dt_bias, meta, key_heads, key_dim,
+                              verify_inputs, causal_conv1d)
+
+
 class FastGDN:
     """One GDN mixer, reading ``{prefix}linear_attn.*``."""
 
@@ -131,25 +178,39 @@ class FastGDN:
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         conv_in, z, b, a = torch.split(x @ self.w_in.T, [cfg.gdn_conv_dim, hv * dv, hv, hv], dim=-1)
 
+        verify_inputs = None
         if meta.is_verify:
             scratch_rows = slots.verify_recurrent.shape[1]
             if meta.num_seqs > slots.verify_recurrent.shape[0] or meta.max_query_len > scratch_rows:
                 raise ValueError(f"verify batch of {meta.num_seqs} sequences x {meta.max_query_len} rows exceeds the "
                                  f"scratch ({slots.verify_recurrent.shape[0]} x {scratch_rows})")
-            slots.verify_conv_inputs[meta.seq_index, meta.row_in_seq] = conv_in.to(slots.verify_conv_inputs.dtype)
-        conv_state = slots.read_conv(meta.state_index, meta.zero_state)
-        conv_out, conv_state = self.causal_conv1d(conv_in, conv_state, self.conv_weight, meta)  # [N, Cd]
-        q, k, v = torch.split(conv_out, [hk * dk, hk * dk, hv * dv], dim=-1)
-        q = l2norm(q.reshape(rows, hk, dk)) / dk ** 0.5  # [N, Hk, Dk] fp32
-        k = l2norm(k.reshape(rows, hk, dk))  # [N, Hk, Dk] fp32
-        g = self.neg_decay * F.softplus(a.float() + self.dt_bias)  # [N, Hv]
-        beta = torch.sigmoid(b.float())  # [N, Hv]
-        recurrent_state = slots.read_recurrent(meta.state_index, meta.zero_state)
-        row_states = slots.verify_recurrent if meta.is_verify else None
-        o, recurrent_state = self.gated_delta_rule(q, k, v.reshape(rows, hv, dv), g, beta, recurrent_state, meta,
-                                                   row_states)  # [N, Hv, Dv]
-        if not meta.is_verify:
-            slots.write(meta.state_index, conv_state, recurrent_state)
+            verify_inputs = slots.verify_conv_inputs
+        q, k, v, g, beta = gdn_prologue(conv_in, b, a, slots.conv_storage, self.conv_weight, self.neg_decay,
+                                        self.dt_bias, meta, hk, dk, verify_inputs, self.causal_conv1d)
+        o = self._recurrence(q, k, v, g, beta, meta, slots)  # [N, Hv, Dv] fp32
 
         o = gated_rms_norm(o, z.reshape(rows, hv, dv), self.norm_weight, cfg.rms_norm_eps, self.dtype)
         return o.reshape(rows, hv * dv) @ self.w_out.T  # [N, C]
+
+    def _recurrence(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, meta: StepMeta,
+                    slots: GDNSlots) -> Tensor:
+        """The gated delta rule from the slots' states; writes the final states back (the verify scratch instead
+        on a verify step). Returns o ``[N, Hv, Dv]`` fp32.
+
+        With the default op on CUDA, decode and verify steps hand the kernel the slot pool and each
+        sequence's slot (-1: the zero state) instead of a gathered copy of the states, which saves
+        two state-sized copies per layer; the result is the same.
+        """
+        row_states = slots.verify_recurrent if meta.is_verify else None
+        if (self.gated_delta_rule is gated_delta_rule and use_triton(q, slots.recurrent_storage)
+                and (meta.is_verify or meta.max_query_len == 1)):
+            readable = torch.where(meta.zero_state, -1, meta.state_index)  # [B]
+            o, final = gated_delta_rule_verify_triton(q, k, v, g, beta, slots.recurrent_storage, meta.cu_seqlens,
+                                                      meta.max_query_len, state_index=readable,
+                                                      row_states=row_states, output_final_state=not meta.is_verify)
+        else:
+            start = slots.read_recurrent(meta.state_index, meta.zero_state)
+            o, final = self.gated_delta_rule(q, k, v, g, beta, start, meta, row_states)
+        if not meta.is_verify:  # the prologue wrote the conv state
+            slots.recurrent_storage.index_copy_(0, meta.state_index, final.float())
+        return o

@@ -2,6 +2,10 @@
 
     x = x + mixer(rmsnorm_in(x))        Gated DeltaNet (state slots) or gated full attention (paged K/V)
     x = x + mlp(rmsnorm_post(x))        dense SwiGLU or sparse MoE
+
+Each residual add is fused with the norm that reads its sum (:func:`add_rms_norm`): the mixer's into
+``rmsnorm_post``, the MLP's into the next layer's ``rmsnorm_in`` (or the final norm), so a stack
+runs :meth:`FastDecoderLayer.forward_deferred`, which hands its last add on to the next layer.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from .attention import FastAttention
 from .gdn import FastGDN
 from .mlp import FastMLP
 from .moe import FastMoE
-from .norm import rms_norm, zero_centred_scale
+from .norm import add_rms_norm, zero_centred_scale
 from .ops import ModelOps
 from .params import Params
 from .pools import GDNSlots, PagedKV
@@ -38,6 +42,18 @@ class FastDecoderLayer:
 
     def forward(self, x: Tensor, meta: StepMeta, state: PagedKV | GDNSlots) -> Tensor:
         """x: ``[N, C]`` residual rows. Returns the new residual ``[N, C]``."""
+        x, update = self.forward_deferred(x, None, meta, state)
+        return x + update
+
+    def forward_deferred(self, x: Tensor, pending: Tensor | None, meta: StepMeta,
+                         state: PagedKV | GDNSlots) -> tuple[Tensor, Tensor]:
+        """The layer with its last residual add left to the caller.
+
+        x, pending: ``[N, C]``; the layer's input residual is ``x + pending`` (``pending`` None: x).
+        Returns ``(x', update)``, the residual after the mixer and the MLP's output, whose sum
+        ``x' + update`` is the layer's output residual.
+        """
         eps = self.cfg.rms_norm_eps
-        x = x + self.mixer.forward(rms_norm(x, self.input_scale, eps, self.dtype), meta, state)
-        return x + self.mlp.forward(rms_norm(x, self.post_scale, eps, self.dtype))
+        x, h = add_rms_norm(x, pending, self.input_scale, eps, self.dtype)
+        x, h = add_rms_norm(x, self.mixer.forward(h, meta, state), self.post_scale, eps, self.dtype)
+        return x, self.mlp.forward(h)

@@ -4,9 +4,10 @@ The models never call these functions directly; they call the fields of the :cla
 they were built with. :data:`DEFAULT_OPS` holds the default ops: the plain torch forms (CPU and
 CUDA, the forms the conformance tests hold to the reference), except where an op has a kernel,
 whose default sends CUDA tensors to it and everything else to the torch form
-(``gated_delta_rule``: fast/kernels/gdn_recurrent.py and gdn_prefill.py). Other kernels plug in
-with the same signatures (token-major rows at the boundary, :class:`StepMeta` for the sequence
-layout), e.g. ``replace(DEFAULT_OPS, paged_attention=triton_paged_attention)``;
+(``gated_delta_rule``: fast/kernels/gdn_recurrent.py and gdn_prefill.py; ``paged_attention``:
+fast/kernels/paged_attention.py for decode and verify steps; ``moe_experts``: fast/kernels/moe.py
+for decode and verify steps). Other kernels plug in with the same signatures (token-major rows at
+the boundary, :class:`StepMeta` for the sequence layout);
 ``replace(DEFAULT_OPS, gated_delta_rule=gated_delta_rule_torch)`` keeps the torch form on CUDA too.
 
 - ``paged_attention(q [N, H, D], key_cache [S, Hkv, D], value_cache [S, Hkv, D], meta) -> [N, H, D]``
@@ -21,17 +22,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .attention import paged_attention_torch
+from .attention import paged_attention
 from .gdn import causal_conv1d_torch, gated_delta_rule
-from .moe import moe_experts_torch
+from .moe import moe_experts
 
 
 @dataclass(frozen=True)
 class ModelOps:
-    paged_attention: Callable = paged_attention_torch
+    paged_attention: Callable = paged_attention
     causal_conv1d: Callable = causal_conv1d_torch
     gated_delta_rule: Callable = gated_delta_rule
-    moe_experts: Callable = moe_experts_torch
+    moe_experts: Callable = moe_experts
 
 
 DEFAULT_OPS = ModelOps()

@@ -7,12 +7,20 @@ The first ``rd`` channels of each head rotate as two halves ``(x1, x2)`` by the 
 
 cos and sin are computed once per step (:class:`StepMeta`) and shared by every attention layer;
 the rotation runs in fp32.
+
+:func:`qk_norm_rope` is the whole attention prologue after the fused projection: the per-head
+RMSNorms of q and k, RoPE, the cast to the model dtype and the K/V cache write; CUDA rows go to one
+kernel (fast/kernels/attention_prologue.py), everything else to :func:`qk_norm_rope_torch`.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from ..kernels.attention_prologue import qk_norm_rope_triton
+from ..kernels.triton_compat import use_triton
+from .norm import rms_norm
 
 
 def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -30,3 +38,31 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+def qk_norm_rope_torch(qkv: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin: Tensor, eps: float,
+                       num_heads: int, num_kv_heads: int, key_cache: Tensor, value_cache: Tensor,
+                       write_index: Tensor) -> Tensor:
+    """The attention prologue: ``q = rope(rmsnorm_q(q))``, and ``rope(rmsnorm_k(k))``, v into the caches.
+
+    qkv: ``[N, H*2D + 2*Hkv*D]`` the fused projection (per query head ``[query D | gate D]``, then K,
+    then V); q_scale, k_scale: fp32 ``[D]`` (1 + w); cos, sin: fp32 ``[N, rd/2]``; key_cache,
+    value_cache: ``[S, Hkv, D]``, row ``write_index[n]`` receives row n's K and V (in the model
+    dtype, then the cache's). Returns q ``[N, H, D]`` in qkv's dtype. Norms and rotation in fp32.
+    """
+    rows, dim = qkv.shape[0], key_cache.shape[-1]
+    query_gate, k, v = torch.split(qkv, [2 * num_heads * dim, num_kv_heads * dim, num_kv_heads * dim], dim=-1)
+    q = query_gate.view(rows, num_heads, 2 * dim)[..., :dim]  # [N, H, D]
+    q = apply_rope(rms_norm(q, q_scale, eps, torch.float32), cos, sin).to(qkv.dtype)
+    k = apply_rope(rms_norm(k.view(rows, num_kv_heads, dim), k_scale, eps, torch.float32), cos, sin).to(qkv.dtype)
+    key_cache.index_copy_(0, write_index, k.to(key_cache.dtype))
+    value_cache.index_copy_(0, write_index, v.view(rows, num_kv_heads, dim).to(value_cache.dtype))
+    return q
+
+
+def qk_norm_rope(qkv: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin: Tensor, eps: float,
+                 num_heads: int, num_kv_heads: int, key_cache: Tensor, value_cache: Tensor,
+                 write_index: Tensor) -> Tensor:
+    """``qk_norm_rope_torch``'s contract, by one kernel on CUDA."""
+    fn = qk_norm_rope_triton if use_triton(qkv, key_cache, value_cache) else qk_norm_rope_torch
+    return fn(qkv, q_scale, k_scale, cos, sin, eps, num_heads, num_kv_heads, key_cache, value_cache, write_index)

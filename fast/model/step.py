@@ -5,7 +5,9 @@ into a padded per-sequence layout ``[B, Tq, ...]`` (Tq = ``max_query_len``): row
 ``[seq_index[n], row_in_seq[n]]``. Each sequence's K/V context is gathered through its block table
 into ``[B, Tctx]`` flat slots with ``Tctx = max_pages * page_size`` (a static width: no device
 sync), ``kv_valid`` marking the slots below ``context_lens``. Key t of a sequence sits at position
-t, so a row at position p sees keys ``t <= p``.
+t, so a row at position p sees keys ``t <= p``. The paged-attention kernel reads the pages itself
+(``block_tables``, ``context_lens``, ``page_size``), with no gather. A padding sequence
+(``state_slots`` -1) has ``context_lens`` 0 here, whatever the batch says: its rows see no key.
 
 Everything here is computed without a device sync, except ``max_query_len`` when the batch does
 not carry it. The batch's tensors live on the pools' device.
@@ -38,7 +40,10 @@ class StepMeta:
     state_index: Tensor  # [B] long: GDN slot read and written (trash slot for padding sequences)
     kv_write_index: Tensor  # [N] long: flat K/V row written (trash row for padding rows)
     kv_gather: Tensor  # [B, Tctx] long: flat K/V slot of context position t
-    kv_valid: Tensor  # [B, Tctx] bool: t < context_lens[b]
+    kv_valid: Tensor  # [B, Tctx] bool: t < context_lens[b] and its page exists
+    block_tables: Tensor  # [B, P] int32: the pages of each sequence in order, -1 past its end
+    context_lens: Tensor  # [B] int32: keys in each sequence's K/V after this step's writes (0: padding)
+    page_size: int
     rope_cos: Tensor  # [N, rd/2] fp32
     rope_sin: Tensor  # [N, rd/2] fp32
 
@@ -60,9 +65,10 @@ class StepMeta:
 
         page_size = pools.page_size
         block_tables = batch.block_tables.long()  # [B, max_pages]
+        context_lens = torch.where(batch.state_slots < 0, 0, batch.context_lens).to(torch.int32)  # [B]
         context = torch.arange(block_tables.shape[1] * page_size, device=device)  # [Tctx]
         pages = block_tables[:, context // page_size]  # [B, Tctx]
-        kv_valid = (context[None, :] < batch.context_lens[:, None]) & (pages >= 0)
+        kv_valid = (context[None, :] < context_lens[:, None]) & (pages >= 0)
         kv_gather = torch.where(kv_valid, pages * page_size + context % page_size, pools.num_kv_slots)
 
         rope_cos, rope_sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
@@ -72,6 +78,7 @@ class StepMeta:
             query_positions=query_positions, zero_state=zero_state_mask(batch),
             state_index=pools.state_index(batch.state_slots),
             kv_write_index=pools.kv_write_index(batch.kv_slot_mapping), kv_gather=kv_gather, kv_valid=kv_valid,
+            block_tables=batch.block_tables.to(torch.int32), context_lens=context_lens, page_size=page_size,
             rope_cos=rope_cos, rope_sin=rope_sin)
 
     def pad(self, x: Tensor) -> Tensor:

@@ -26,7 +26,7 @@ from dflash2.reference.formats.config import TargetConfig
 
 from .batch import ForwardBatch
 from .layer import FastDecoderLayer
-from .norm import rms_norm, zero_centred_scale
+from .norm import add_rms_norm, zero_centred_scale
 from .ops import DEFAULT_OPS, ModelOps
 from .params import Params
 from .pools import CachePools
@@ -50,6 +50,7 @@ class FastTarget:
                 raise ValueError(f"tap layer {layer}: expected a layer index in [0, {cfg.num_hidden_layers})")
         params = Params(cfg, weights, dtype, device)
         self.cfg, self.dtype, self.device = cfg, dtype, params.device
+        self.ops = ops
         self.tap_layers = tuple(tap_layers)
         self.embed = params.get("embed_tokens.weight")  # [V, C]
         self.lm_head = params.get("lm_head.weight")  # [V, C] (the embedding itself when tied)
@@ -62,13 +63,16 @@ class FastTarget:
         meta = StepMeta.build(batch, pools)
         hidden_size = self.cfg.hidden_size
         x = self.embed[batch.token_ids]  # [N, C]
+        pending = None  # the last layer's MLP output, added to x by the next norm (layer.forward_deferred)
         taps = x.new_empty(x.shape[0], len(self.tap_layers) * hidden_size)
         for i, layer in enumerate(self.layers):
             state = pools.attention[i] if layer.layer_type == "full_attention" else pools.gdn[i]
-            x = layer.forward(x, meta, state)
-            for j, tapped in enumerate(self.tap_layers):
-                if tapped == i:
-                    taps[:, j * hidden_size:(j + 1) * hidden_size] = x
-        hidden = rms_norm(x, self.final_scale, self.cfg.rms_norm_eps, self.dtype)  # [N, C]
+            x, pending = layer.forward_deferred(x, pending, meta, state)
+            if i in self.tap_layers:
+                x, pending = x + pending, None
+                for j, tapped in enumerate(self.tap_layers):
+                    if tapped == i:
+                        taps[:, j * hidden_size:(j + 1) * hidden_size] = x
+        _, hidden = add_rms_norm(x, pending, self.final_scale, self.cfg.rms_norm_eps, self.dtype)  # [N, C]
         logits = (hidden[batch.logits_rows] @ self.lm_head.T).float()  # [M, V]
         return FastOutput(logits=logits, hidden=hidden, taps=taps)

@@ -1,0 +1,236 @@
+"""fast/kernels/paged_attention.py (and the model's torch form ``paged_attention_torch``) vs
+reference/model/attention.causal_attention, one sequence at a time: decode (Tq = 1) and verify
+(Tq = 5, ragged rows per sequence) steps of three sequences whose contexts end mid-page, on a page
+boundary and after a few keys, plus a padding sequence (state slot -1) that must come out zero even
+with a context length and a real page in its table. Pages are scattered over the cache in no order;
+every slot outside the contexts (the ends of pages, unused pages, the trash row) is NaN. GQA with
+H = 6, Hkv = 2, head dims 16, 32 and 20 (padded in the kernel), page sizes 8 and 16 (and 5).
+The kernel runs with one split (written directly) and with several splits of one or three chunks
+(merged). NUMERIC (fp32 1e-5, fp16 5e-3; bf16 2e-2 on CUDA); the padding rows EXACT zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+from ops_helpers import NUMERIC_BOUND, pick
+
+from dflash2.fast.kernels import paged_attention as kernel_module
+from dflash2.fast.kernels.paged_attention import paged_attention_decode, paged_attention_triton
+from dflash2.fast.model import attention as attention_module
+from dflash2.fast.model.attention import paged_attention_torch
+from dflash2.fast.model.batch import PAD_SLOT, ForwardBatch
+from dflash2.fast.model.pools import CachePools
+from dflash2.fast.model.step import StepMeta
+from dflash2.reference.model.attention import causal_attention
+from dflash2.reference.tiny.target import tiny_target_config
+
+HEADS, KV_HEADS = 6, 2
+SLOTS = (2, 0, 3)  # GDN slots of the three real sequences; the padding sequence has PAD_SLOT
+
+
+@dataclass
+class Case:
+    q: torch.Tensor  # [N, H, D]
+    key_cache: torch.Tensor  # [S, Hkv, D], S = num_pages * page_size + 1 (the trash row); NaN off-context
+    value_cache: torch.Tensor
+    batch: ForwardBatch
+    pools: CachePools  # only for StepMeta.build (page size, trash row, rope); its own tensors are unused
+    expected: torch.Tensor  # [N, H, D] from the reference (zeros on the padding rows)
+    padding_rows: torch.Tensor  # [N] bool
+
+
+def make_case(contexts: list[int], rows: list[int], dim: int, page_size: int, seed: int, pad_rows: int | None = None,
+              spare_pages: int = 1) -> Case:
+    """Sequence b has ``contexts[b]`` keys after this step, the last ``rows[b]`` of them its query rows;
+    a padding sequence of ``pad_rows`` rows (default: up to 2, no more than the others) comes last."""
+    pad_rows = min(2, max(rows)) if pad_rows is None else pad_rows
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_seq = [-(-c // page_size) for c in contexts]
+    num_pages = sum(pages_per_seq) + 3  # some pages belong to nobody
+    width = max(pages_per_seq) + spare_pages  # -1 past each sequence's pages
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    tables, used = [], 0
+    for n in pages_per_seq:
+        tables.append(order[used:used + n])
+        used += n
+    num_slots = num_pages * page_size
+    key_cache = torch.full((num_slots + 1, KV_HEADS, dim), float("nan"))
+    value_cache = key_cache.clone()
+
+    num_rows = sum(rows) + pad_rows
+    q = torch.randn(num_rows, HEADS, dim, generator=gen)
+    expected = torch.zeros(num_rows, HEADS, dim)
+    positions, kv_slots, first = [], [], 0
+    for b, (context, n) in enumerate(zip(contexts, rows)):
+        t = torch.arange(context)
+        slots = torch.tensor(tables[b])[t // page_size] * page_size + t % page_size
+        keys, values = (torch.randn(context, KV_HEADS, dim, generator=gen) for _ in range(2))
+        key_cache[slots], value_cache[slots] = keys, values
+        pos = torch.arange(context - n, context)
+        expected[first:first + n] = causal_attention(q[first:first + n], keys, values, pos)
+        positions += pos.tolist()
+        kv_slots += slots[context - n:].tolist()
+        first += n
+    # a padding sequence as a CUDA-graph bucket may leave it: stale context length and a real page
+    positions += list(range(pad_rows))
+    kv_slots += [PAD_SLOT] * pad_rows
+    padding_tables = [tables[0][:1]] if pad_rows else []
+    cu = torch.tensor([0] + rows + ([pad_rows] if pad_rows else [])).cumsum(0)
+    state_slots = list(SLOTS[:len(contexts)]) + ([PAD_SLOT] if pad_rows else [])
+    longs = dict(dtype=torch.long)
+    batch = ForwardBatch(
+        token_ids=torch.zeros(num_rows, **longs), positions=torch.tensor(positions, **longs),
+        cu_seqlens=cu.to(torch.int32), state_slots=torch.tensor(state_slots, **longs),
+        kv_slot_mapping=torch.tensor(kv_slots, **longs),
+        block_tables=torch.tensor([p + [-1] * (width - len(p)) for p in tables + padding_tables], dtype=torch.int32),
+        context_lens=torch.tensor(contexts + ([min(3, page_size)] if pad_rows else []), **longs),
+        is_verify=max(rows) > 1, logits_rows=torch.arange(num_rows), max_query_len=max(rows + [pad_rows]))
+    pools = CachePools(tiny_target_config("tiny-dense"), num_pages, page_size, num_slots=4,
+                       max_verify_rows=max(rows + [pad_rows]), dtype=torch.float32, device="cpu")
+    padding_rows = torch.zeros(num_rows, dtype=torch.bool)
+    padding_rows[sum(rows):] = True
+    return Case(q, key_cache, value_cache, batch, pools, expected, padding_rows)
+
+
+def batch_to(batch: ForwardBatch, device: str) -> ForwardBatch:
+    return replace(batch, **{f: getattr(batch, f).to(device) for f in
+                             ("token_ids", "positions", "cu_seqlens", "state_slots", "kv_slot_mapping",
+                              "block_tables", "context_lens", "logits_rows")})
+
+
+def run(fn, case: Case, device: str, dtype: torch.dtype, meta_edit=None, **kwargs) -> torch.Tensor:
+    pools = case.pools if device == "cpu" else CachePools(
+        case.pools.cfg, case.pools.num_pages, case.pools.page_size, 4, case.pools.max_verify_rows, torch.float32,
+        device)
+    meta = StepMeta.build(batch_to(case.batch, device), pools)
+    if meta_edit is not None:
+        meta = meta_edit(meta)
+    to = dict(device=device, dtype=dtype)
+    got = fn(case.q.to(**to), case.key_cache.to(**to), case.value_cache.to(**to), meta, **kwargs)
+    assert got.dtype == dtype and got.shape == case.q.shape
+    return got.float().cpu()
+
+
+def check(fn, case: Case, device: str, dtype: torch.dtype, report, meta_edit=None, **kwargs) -> None:
+    got = run(fn, case, device, dtype, meta_edit, **kwargs)
+    real = ~case.padding_rows
+    report.numeric(f"attention/{str(dtype)[6:]}", got[real], case.expected[real], NUMERIC_BOUND[dtype])
+    assert torch.equal(got[case.padding_rows], torch.zeros_like(got[case.padding_rows])), "padding rows not zero"
+
+
+SHAPES = [  # contexts, rows per sequence, D, page_size
+    ([37, 16, 3], [1, 1, 1], 16, 8),  # decode: mid-page, a page boundary, a short context
+    ([45, 32, 7], [5, 3, 1], 32, 16),  # verify with ragged rows (k_b = 4, 2, 0)
+    ([29, 64, 5], [5, 5, 5], 16, 16),
+    ([50, 17, 9], [4, 2, 5], 20, 8),  # D padded to 32 in the kernel
+    ([23, 10, 2], [3, 1, 2], 16, 5),  # a page size the engine does not use (the layer tests use 3)
+    ([300, 130, 20], [2, 1, 2], 16, 16),  # > 16 splits of 16: the merge runs over two chunks of splits
+]
+TUNINGS = [{}, {"split_len": 16, "block_n": 16}, {"split_len": 48, "block_n": 16}]  # one split; many; 3 chunks each
+
+
+def shape_id(shape) -> str:
+    contexts, rows, dim, page_size = shape
+    return f"ctx{'-'.join(map(str, contexts))}-Tq{max(rows)}-D{dim}-ps{page_size}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_paged_attention_matches_reference(impl_device, report, shape):
+    impl, device = impl_device
+    contexts, rows, dim, page_size = shape
+    case = make_case(contexts, rows, dim, page_size, seed=sum(contexts) + dim)
+    fn = pick(impl, paged_attention_torch, paged_attention_triton)
+    # bf16 only on CUDA: Triton 3.6's interpreter multiplies bf16 tiles wrongly (tl.dot), fp16 exercises that path
+    for dtype in [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else []):
+        for tuning in TUNINGS if impl == "triton" else [{}]:
+            check(fn, case, device, dtype, report, **tuning)
+    if impl == "triton":  # the merge reading its partials in several tiles (it takes 64 splits at a time)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kernel_module, "MERGE_SPLITS", 2)
+            check(fn, case, device, torch.float32, report, split_len=16, block_n=16)
+
+
+@pytest.mark.parametrize("num_seqs,kv_heads,context,tile_rows", [
+    (1, 2, 4096, 16), (1, 2, 4096, 64), (1, 4, 32768, 64), (4, 2, 512, 16), (16, 4, 512, 64), (16, 4, 4096, 16)])
+def test_split_plan_fills_one_wave_and_bounds_partials(monkeypatch, num_seqs, kv_heads, context, tile_rows):
+    """On 132 SMs (H200): at most PROGRAMS_PER_SM programs per SM, at least half that many unless a
+    split's floor (MIN_SPLIT_LEN, 2 x tile rows, one chunk) stops it; a power of two."""
+    monkeypatch.setattr(kernel_module, "_sm_count", lambda device: 132)
+    split = kernel_module.plan_splits(num_seqs, kv_heads, context, tile_rows, 32, torch.device("cpu"))
+    programs = num_seqs * kv_heads * -(-context // split)
+    target = kernel_module.PROGRAMS_PER_SM * 132
+    floor = max(32, kernel_module.MIN_SPLIT_LEN, 2 * tile_rows)
+    assert split & (split - 1) == 0 and split >= floor
+    assert programs <= max(target, num_seqs * kv_heads)
+    assert programs > target // 2 or split == floor or split >= context
+
+
+def test_dispatch_sends_decode_and_verify_steps_to_the_kernel(monkeypatch):
+    """With CUDA tensors (here: pretended), steps of <= 16 rows per sequence take the kernel, prefill the torch form."""
+    calls = []
+    monkeypatch.setattr(attention_module, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(attention_module, "paged_attention_triton", lambda *a: calls.append("triton") or 1)
+    monkeypatch.setattr(attention_module, "paged_attention_torch", lambda *a: calls.append("torch") or 1)
+    for rows in (1, 5, 16, 17):
+        case = make_case([40], [rows], 16, 8, seed=rows, pad_rows=0)
+        meta = StepMeta.build(case.batch, case.pools)
+        attention_module.paged_attention(case.q, case.key_cache, case.value_cache, meta)
+    assert calls == ["triton", "triton", "triton", "torch"]
+
+
+def test_refusals():
+    case = make_case([20], [2], 16, 8, seed=0, pad_rows=0)
+    b = case.batch
+    args = (case.key_cache, case.value_cache, b.block_tables, b.context_lens, b.cu_seqlens, b.positions)
+    with pytest.raises(ValueError, match="max_query_len=17"):
+        paged_attention_decode(case.q, *args, max_query_len=17, page_size=8)
+    with pytest.raises(ValueError, match="Hkv dividing H"):
+        paged_attention_decode(case.q[:, :5], *args, max_query_len=2, page_size=8)
+    with pytest.raises(ValueError, match="split_len=24: expected a positive multiple of block_n=16"):
+        paged_attention_decode(case.q, *args, max_query_len=2, page_size=8, split_len=24, block_n=16)
+    with pytest.raises(ValueError, match="block_n=24"):
+        paged_attention_decode(case.q, *args, max_query_len=2, page_size=8, split_len=48, block_n=24)
+
+
+def test_planted_bug_off_by_one_causal_mask_is_caught(impl_device, report):
+    """Rows that see the key one past their position (as a ``t <= p + 1`` mask would) fail the comparison."""
+    impl, device = impl_device
+    case = make_case([45, 32, 7], [5, 3, 1], 16, 8, seed=3)
+    shifted = lambda m: replace(m, positions=m.positions + 1, query_positions=m.query_positions + 1)  # noqa: E731
+    with pytest.raises(AssertionError, match="rms-relative"):
+        check(pick(impl, paged_attention_torch, paged_attention_triton), case, device, torch.float32, report,
+              meta_edit=shifted)
+
+
+def test_planted_bug_read_past_the_context_is_caught(impl_device, report):
+    """One key past a sequence's context is NaN poison: reading it must make the result non-finite."""
+    impl, device = impl_device
+    case = make_case([45, 32, 7], [5, 3, 1], 16, 8, seed=4)
+    case.batch = replace(case.batch, context_lens=case.batch.context_lens + 1)
+    with pytest.raises(AssertionError, match="non-finite"):
+        check(pick(impl, paged_attention_torch, paged_attention_triton), case, device, torch.float32, report)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_kernel_replays_in_a_cuda_graph(report):
+    """Captured once, replayed on new queries in the captured buffer: equal to the eager call (deterministic)."""
+    case = make_case([45, 32, 7], [5, 3, 1], 32, 16, seed=5, spare_pages=3)
+    pools = CachePools(case.pools.cfg, case.pools.num_pages, 16, 4, 5, torch.float32, "cuda")
+    meta = StepMeta.build(batch_to(case.batch, "cuda"), pools)
+    q, k, v = (t.cuda() for t in (case.q, case.key_cache, case.value_cache))
+    paged_attention_triton(q, k, v, meta, split_len=16, block_n=16)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = paged_attention_triton(q, k, v, meta, split_len=16, block_n=16)
+    fresh = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).cuda()
+    q.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, paged_attention_triton(fresh, k, v, meta, split_len=16, block_n=16))
+    assert captured[case.padding_rows.cuda()].eq(0).all()
+    report.numeric("graph/float32", captured, paged_attention_torch(fresh, k, v, meta), NUMERIC_BOUND[torch.float32])

@@ -1,0 +1,145 @@
+"""The elementwise prologue and epilogue of gated full attention, twins of
+``fast/model/rope.qk_norm_rope_torch`` and :func:`output_gate_torch` (reference/model/attention.py's
+``GatedAttention.forward``: per-head RMSNorm, partial NeoX RoPE, the sigmoid output gate).
+
+Prologue, from the fused projection rows ``qkv [N, H*2D + 2*Hkv*D]`` (per query head ``[query D |
+gate D]``, then K, then V), per row n at rotation angles ``cos, sin [N, rd/2]`` and head width D::
+
+    y       = x / sqrt(mean(x^2) + eps) * scale          fp32; scale = 1 + w (q_scale or k_scale)
+    y1'     = y1 cos - y2 sin,  y2' = y2 cos + y1 sin     y1 = y[:rd/2], y2 = y[rd/2:rd]; y[rd:] as is
+    q[n, h]                        = y' (query head h)    in the model dtype
+    key_cache[write_index[n], j]   = y' (K head j)        cast to the model dtype, then the cache dtype
+    value_cache[write_index[n], j] = v[n, j]
+
+One program per (row, head) over the H query and Hkv K heads; a K-head program also moves the V head
+of the same index. The rotation's partner channel (c + rd/2 or c - rd/2) is a second, cached load of
+the same row, normalised with the row's rstd. Padding rows write the trash row (``write_index``
+points there), several of them at once: nothing reads it.
+
+Epilogue: ``out[n, h*D + d] = attn[n, h, d] * sigmoid(gate[n, h, d])``, the sigmoid rounded to
+the model dtype before the product, as the torch form computes it; ``gate`` is read in place from
+the projection (row stride ``H*2D + 2*Hkv*D``, head stride 2D).
+
+Bound: launch latency at decode sizes (a few KiB per row). Deterministic, no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .triton_compat import tl, triton, use_triton
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, q_scale_ptr, k_scale_ptr, cos_ptr, sin_ptr, write_index_ptr, q_ptr, kc_ptr, vc_ptr,
+                         stride_qkv, stride_cos, stride_sin, stride_kc, stride_kh, stride_vc, stride_vh, eps,
+                         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    in_d = d < D
+    rot = d < 2 * HALF
+    first = d < HALF
+    partner = tl.where(first, d + HALF, d - HALF)
+    angle = tl.where(first, d, d - HALF)
+    is_q = head < H
+    src = qkv_ptr + n * stride_qkv + tl.where(is_q, head * (2 * D), 2 * H * D + (head - H) * D)
+    x = tl.load(src + d, mask=in_d, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    scale = tl.where(is_q, tl.load(q_scale_ptr + d, mask=in_d, other=0.0), tl.load(k_scale_ptr + d, mask=in_d,
+                                                                                  other=0.0))
+    y = (x * rstd) * scale
+    xp = tl.load(src + partner, mask=in_d & rot, other=0.0).to(tl.float32)
+    scale_p = tl.where(is_q, tl.load(q_scale_ptr + partner, mask=in_d & rot, other=0.0),
+                       tl.load(k_scale_ptr + partner, mask=in_d & rot, other=0.0))
+    yp = (xp * rstd) * scale_p
+    cos = tl.load(cos_ptr + n * stride_cos + angle, mask=rot, other=1.0)
+    sin = tl.load(sin_ptr + n * stride_sin + angle, mask=rot, other=0.0)
+    out = tl.where(first, y * cos - yp * sin, tl.where(rot, y * cos + yp * sin, y))
+    out = out.to(qkv_ptr.dtype.element_ty)  # the model dtype, as the torch form's .to(dtype)
+    if is_q:
+        tl.store(q_ptr + n * (H * D) + head * D + d, out, mask=in_d)
+    else:
+        slot = tl.load(write_index_ptr + n).to(tl.int64)
+        tl.store(kc_ptr + slot * stride_kc + (head - H) * stride_kh + d, out.to(kc_ptr.dtype.element_ty), mask=in_d)
+        v = tl.load(qkv_ptr + n * stride_qkv + 2 * H * D + HKV * D + (head - H) * D + d, mask=in_d, other=0.0)
+        tl.store(vc_ptr + slot * stride_vc + (head - H) * stride_vh + d, v.to(vc_ptr.dtype.element_ty), mask=in_d)
+
+
+def qk_norm_rope_triton(qkv: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin: Tensor, eps: float,
+                        num_heads: int, num_kv_heads: int, key_cache: Tensor, value_cache: Tensor,
+                        write_index: Tensor) -> Tensor:
+    """``qk_norm_rope_torch`` by the kernel. qkv ``[N, H*2D + 2*Hkv*D]`` (unit last stride); q_scale,
+    k_scale fp32 ``[D]``; cos, sin fp32 ``[N, rd/2]``; caches ``[S, Hkv, D]``; write_index ``[N]``.
+    Returns q ``[N, H, D]`` in qkv's dtype; writes the rows' K and V into the caches."""
+    rows = qkv.shape[0]
+    head_dim = key_cache.shape[-1]
+    width = (2 * num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        raise ValueError(f"qkv: {list(qkv.shape)} strides {qkv.stride()}: expected [N, {width}] with unit last stride")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.dim() != 3 or cache.shape[1:] != (num_kv_heads, head_dim) or cache.stride(2) != 1:
+            raise ValueError(f"{name}: {list(cache.shape)} strides {cache.stride()}: expected [S, {num_kv_heads}, "
+                             f"{head_dim}] with unit last stride")
+    for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
+        if scale.shape != (head_dim,) or scale.dtype != torch.float32 or not scale.is_contiguous():
+            raise ValueError(f"{name}: {list(scale.shape)} {scale.dtype}: expected contiguous fp32 [{head_dim}]")
+    half = cos.shape[-1]
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (rows, half) or t.dtype != torch.float32 or t.stride(-1) != 1 or 2 * half > head_dim:
+            raise ValueError(f"{name}: {list(t.shape)} {t.dtype}: expected fp32 [{rows}, rd/2] with rd <= {head_dim}")
+    if write_index.shape != (rows,):
+        raise ValueError(f"write_index: {list(write_index.shape)}: expected [{rows}]")
+    q = torch.empty((rows, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if rows == 0:
+        return q
+    block_d = triton.next_power_of_2(head_dim)
+    _qk_norm_rope_kernel[(rows, num_heads + num_kv_heads)](
+        qkv, q_scale, k_scale, cos, sin, write_index, q, key_cache, value_cache, qkv.stride(0), cos.stride(0),
+        sin.stride(0), key_cache.stride(0), key_cache.stride(1), value_cache.stride(0), value_cache.stride(1),
+        float(eps), H=num_heads, HKV=num_kv_heads, D=head_dim, HALF=half, BLOCK_D=block_d,
+        num_warps=max(1, min(4, block_d // 64)))
+    return q
+
+
+def output_gate_torch(attn: Tensor, gate: Tensor) -> Tensor:
+    """``attn * sigmoid(gate)``: attn, gate ``[N, H, D]``. Returns ``[N, H*D]`` in attn's dtype."""
+    return (attn * torch.sigmoid(gate)).reshape(attn.shape[0], -1)
+
+
+@triton.jit
+def _output_gate_kernel(attn_ptr, gate_ptr, out_ptr, stride_an, stride_ah, stride_gn, stride_gh,
+                        D: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = e < WIDTH
+    head, d = e // D, e % D
+    a = tl.load(attn_ptr + n * stride_an + head * stride_ah + d, mask=mask, other=0.0)
+    g = tl.load(gate_ptr + n * stride_gn + head * stride_gh + d, mask=mask, other=0.0).to(tl.float32)
+    s = (1.0 / (1.0 + tl.exp(-g))).to(gate_ptr.dtype.element_ty).to(tl.float32)  # sigmoid in the gate's dtype
+    tl.store(out_ptr + n * WIDTH + e, (a.to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def output_gate_triton(attn: Tensor, gate: Tensor) -> Tensor:
+    """``output_gate_torch`` by the kernel: attn, gate ``[N, H, D]`` of one dtype (unit last stride)."""
+    if attn.dim() != 3 or gate.shape != attn.shape or attn.stride(2) != 1 or gate.stride(2) != 1:
+        raise ValueError(f"attn {list(attn.shape)} {attn.stride()}, gate {list(gate.shape)} {gate.stride()}: "
+                         "expected [N, H, D] twice with unit last stride")
+    if gate.dtype != attn.dtype:
+        raise ValueError(f"gate dtype {gate.dtype}: expected attn's {attn.dtype}")
+    rows, heads, dim = attn.shape
+    out = torch.empty((rows, heads * dim), dtype=attn.dtype, device=attn.device)
+    if rows == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(heads * dim))
+    _output_gate_kernel[(rows, triton.cdiv(heads * dim, block))](
+        attn, gate, out, attn.stride(0), attn.stride(1), gate.stride(0), gate.stride(1), D=dim, WIDTH=heads * dim,
+        BLOCK=block, num_warps=4)
+    return out
+
+
+def output_gate(attn: Tensor, gate: Tensor) -> Tensor:
+    """``output_gate_torch``'s contract; CUDA tensors go to the kernel."""
+    return output_gate_triton(attn, gate) if use_triton(attn, gate) else output_gate_torch(attn, gate)
