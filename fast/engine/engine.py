@@ -6,10 +6,26 @@ touches the batch), queues the rest, and steps until every request is finished:
     plan = scheduler.schedule()          a prefill plan (prompt chunks) or a decode plan (all running)
     tokens = runner.prefill / decode / verify(plan)
     commit: append the tokens, check stop ids, stop strings, max_tokens; finish and free resources
+
+The same loop, one step at a time, is the incremental API a server drives (``fast/serve/``):
+
+    rid = engine.add_request(prompt, params, top_logprobs=None)   validated now: RequestError if bad
+    deltas = engine.step()        per request touched by the step: new token ids (after the stop cut),
+                                  their logprobs when asked for, finished and finish_reason
+    engine.abort(rid)             finish it now ("abort"): slot, pages and reservation go back exactly
+                                  as at a normal finish (the DFlash ring and MTP state are per slot)
+    engine.pool_usage()           free pages, slots and ring slots, checked for leaks and double frees
+
+``generate`` runs on that API (its requests are added, then ``step`` runs until they finish), so the
+two share one scheduler; it needs an engine with no incremental requests in flight. An exception in
+committing one request's tokens fails that request alone (finish reason "error"); an exception in a
+step's forward leaves the caller to decide (``fail_running``).
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -20,9 +36,14 @@ from dflash2.reference.request.stopping import Stopper
 from dflash2.reference.request.trace import StepRecord
 
 from .config import EngineConfig
+from .graphs import TargetGraphs, capturable
+from .logprobs import TokenLogprob
 from .runner import ModelRunner
-from .scheduler import PrefillPlan, Req, Scheduler
+from .scheduler import PrefillPlan, Req, ReqStatus, Scheduler, pages_for
 from .startup import LoadedModel, load_model
+
+logger = logging.getLogger("dflash2.fast.engine")
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
 
 
 @dataclass
@@ -48,6 +69,42 @@ class RequestOutput:
         return {"verify_steps": self.verify_steps, "tokens_per_step": self.tokens_per_step, **self.timing}
 
 
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one step did to one request (``Engine.step``)."""
+
+    request_id: int
+    token_ids: list[int]  # tokens committed by this step, cut where the request ended
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked for them
+    num_drafts: int = 0  # drafts verified for this request by this step (speculative steps)
+    num_accepted: int | None = None  # of those, accepted (None: not a verify step)
+    error: str | None = None  # finish_reason "error": why
+    text: str | None = None  # the final text (stop strings cut), once finished
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """Cache resources at one moment; an idle engine has everything free and nothing reserved."""
+
+    total_pages: int
+    free_pages: int  # KV pages on the free list
+    reserved_pages: int  # of those, promised to admitted requests
+    total_slots: int  # GDN state slots (one per running request)
+    free_slots: int
+    total_ring_slots: int  # DFlash K/V ring slots (the same index as the GDN slot; 0 without a DFlash draft)
+    free_ring_slots: int
+    running: int
+    waiting: int
+
+    @property
+    def idle(self) -> bool:
+        return (self.free_pages == self.total_pages and self.reserved_pages == 0 and self.free_slots ==
+                self.total_slots and self.free_ring_slots == self.total_ring_slots and not self.running
+                and not self.waiting)
+
+
 class Engine:
     """One model on one device (see ``EngineConfig``); ``trace`` keeps every verify step's record."""
 
@@ -56,14 +113,25 @@ class Engine:
         cfg = self.model.config
         self.config = cfg
         self.tokenizer = self.model.tokenizer
+        graphs = None
+        if not cfg.enforce_eager and capturable(self.model.target):
+            graphs = TargetGraphs(self.model.target, self.model.pools, max_seqs=cfg.max_running_req,
+                                  max_pages=pages_for(self.model.max_model_len, cfg.page_size))
         self.runner = ModelRunner(self.model.target, self.model.pools, self.model.proposer, page_size=cfg.page_size,
-                                  device=self.model.pools.device, trace=trace)
+                                  device=self.model.pools.device, trace=trace, graphs=graphs)
         self.stop_ids = frozenset(self.model.stop_token_ids)
-        self._next_id = 0
+        self._ids = itertools.count()  # thread-safe: a server validates requests beside the engine thread
+        self.scheduler = self.new_scheduler()
+        self._live: dict[int, Req] = {}  # requests added and not yet finished, by id
+        self._top_logprobs: dict[int, int] = {}  # request id -> alternatives per token, for those that asked
 
     @property
     def num_steps(self) -> int | None:
         return self.model.num_steps or None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len
 
     def new_scheduler(self) -> Scheduler:
         cfg = self.config
@@ -84,7 +152,7 @@ class Engine:
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | dict) -> Req:
         """A request, or a finished one holding its error (never raises for a bad request)."""
-        rid, self._next_id = self._next_id, self._next_id + 1
+        rid = next(self._ids)
         req = Req(rid, [], params if isinstance(params, SamplingParams) else SamplingParams(), 0,
                   arrival_s=time.perf_counter())
         try:
@@ -142,45 +210,181 @@ class Engine:
                  params: Sequence[SamplingParams | dict]) -> list[RequestOutput]:
         if len(prompts) != len(params):
             raise UserInputError(f"{len(prompts)} prompts and {len(params)} sampling params: expected one each")
-        scheduler = self.new_scheduler()
+        if self.scheduler.has_work:
+            raise RuntimeError(f"generate: {len(self._live)} requests of add_request are in flight; expected an "
+                               "idle engine (finish or abort them first)")
         reqs = [self.make_request(p, sp) for p, sp in zip(prompts, params)]
         for req in reqs:
             if req.error is None:
-                scheduler.add(req)
-        while scheduler.has_work:
-            self.step(scheduler)
+                self._enqueue(req)  # one that can never fit is finished with its error here
+        while self.scheduler.has_work:
+            self.step()
         return [self._output(req) for req in reqs]
 
-    def step(self, scheduler: Scheduler) -> None:
+    # ---- the incremental API --------------------------------------------------------------------
+
+    def new_request(self, prompt: str | Sequence[int], params: SamplingParams | dict) -> Req:
+        """A validated request, not yet queued; raises the RequestError of a bad one. Touches no engine
+        state but the id counter, so a server may call it beside the thread that steps."""
+        req = self.make_request(prompt, params)
+        error = req.error if req.error is not None else self.scheduler.capacity_error(req)
+        if error is not None:
+            raise RequestError(error)
+        return req
+
+    def add(self, req: Req, *, top_logprobs: int | None = None) -> int:
+        """Queue a request of :meth:`new_request`; ``top_logprobs`` (0..20) asks for logprobs with that
+        many alternatives per token. Returns its id."""
+        if top_logprobs is not None and not (isinstance(top_logprobs, int) and not isinstance(top_logprobs, bool)
+                                             and 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"top_logprobs={top_logprobs!r}: expected None or an integer in "
+                               f"[0, {MAX_TOP_LOGPROBS}]")
+        if req.status is not ReqStatus.WAITING or req.rid in self._live:
+            raise RequestError(f"request {req.rid}: expected a new request (it is {req.status.value} or queued)")
+        error = self.scheduler.capacity_error(req)
+        if error is not None:
+            raise RequestError(error)
+        if top_logprobs is not None:
+            self._top_logprobs[req.rid] = top_logprobs
+        self._enqueue(req)
+        return req.rid
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | dict, *,
+                    top_logprobs: int | None = None) -> int:
+        """Validate and queue one request (RequestError if it is bad); its id."""
+        return self.add(self.new_request(prompt, params), top_logprobs=top_logprobs)
+
+    def _enqueue(self, req: Req) -> None:
+        self.scheduler.add(req)
+        if not req.finished:
+            self._live[req.rid] = req
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def abort(self, rid: int, reason: str = "abort", error: str | None = None) -> RequestDelta | None:
+        """End a queued or running request now, returning what a finish returns; None if it is not live."""
+        req = self._live.get(rid)
+        if req is None:
+            return None
+        self.scheduler.finish(req, reason, error)
+        return self._finished(req, [], None)
+
+    def fail_running(self, error: str) -> list[RequestDelta]:
+        """Fail every admitted request (after a step raised: any of them may have caused it); the
+        waiting ones stay queued."""
+        return [self.abort(req.rid, "error", error) for req in list(self.scheduler.running)]
+
+    def pool_usage(self, check: bool = True) -> PoolUsage:
+        """Free and total pages, slots and ring slots. With ``check`` (O(pages)), raises RuntimeError on a
+        leak or a double free: a page or slot both free and held, or neither."""
+        sched = self.scheduler
+        pages = sched.pages
+        free_pages = list(pages.free_pages)
+        held_slots = [r.slot for r in sched.running]
+        ring = getattr(getattr(self.model.proposer, "proposer", None), "ring", None)
+        ring_slots = ring.num_slots if ring is not None else 0
+        held_rings = len({s for s in held_slots if s < ring_slots})
+        usage = PoolUsage(pages.num_pages, len(free_pages), pages.reserved, sched.max_running_req,
+                          len(sched.free_slots), ring_slots, ring_slots - held_rings, len(sched.running),
+                          len(sched.waiting))
+        if not check:
+            return usage
+        held_pages = [p for r in sched.running for p in r.pages]
+        if sorted(free_pages + held_pages) != list(range(pages.num_pages)):
+            raise RuntimeError(f"KV pages: {len(free_pages)} free + {len(held_pages)} held, expected each of the "
+                               f"{pages.num_pages} pages exactly once")
+        reserved = sum(r.reserved_pages for r in sched.running)
+        if reserved != pages.reserved:
+            raise RuntimeError(f"KV pages: {pages.reserved} reserved, expected the running requests' {reserved}")
+        free_slots = list(sched.free_slots)
+        if sorted(free_slots + held_slots) != list(range(sched.max_running_req)):
+            raise RuntimeError(f"state slots: free {sorted(free_slots)} + held {sorted(held_slots)}, expected each "
+                               f"of the {sched.max_running_req} slots exactly once")
+        return usage
+
+    def step(self) -> list[RequestDelta]:
+        """Run one scheduled step; what it did to each request it touched (none if nothing waits or runs)."""
+        scheduler = self.scheduler
+        if not scheduler.has_work:
+            return []
         plan = scheduler.schedule()
         assert plan is not None, "requests wait but none can be admitted or run"
+        deltas = []
         if isinstance(plan, PrefillPlan):
-            firsts = self.runner.prefill(plan)
-            for chunk, token in zip(plan.chunks, firsts):
+            reqs = [chunk.req for chunk in plan.chunks]
+            firsts = self.runner.prefill(plan, top_logprobs=self._wanted_logprobs(reqs))
+            logprobs = self.runner.logprobs or [None] * len(reqs)
+            for chunk, token, lp in zip(plan.chunks, firsts, logprobs):
                 chunk.req.num_prefilled += chunk.length
                 if token is not None:
                     chunk.req.first_token_s = time.perf_counter()
-                    self._commit(scheduler, chunk.req, [token])
+                    deltas.append(self._commit(chunk.req, [token], lp))
         elif self.model.num_steps:
-            for req, result in zip(plan.reqs, self.runner.verify(plan)):
+            results = self.runner.verify(plan, top_logprobs=self._wanted_logprobs(plan.reqs))
+            logprobs = self.runner.logprobs or [None] * len(plan.reqs)
+            for req, k, result, lp in zip(plan.reqs, plan.num_drafts, results, logprobs):
                 req.num_verify_steps += 1
                 req.num_emitted += len(result.emitted)
                 if result.trace is not None:
                     req.steps.append(result.trace)
-                self._commit(scheduler, req, result.emitted)
+                deltas.append(self._commit(req, result.emitted, lp, k, result.num_accepted))
         else:
-            for req, token in zip(plan.reqs, self.runner.decode(plan)):
-                self._commit(scheduler, req, [token])
+            tokens = self.runner.decode(plan, top_logprobs=self._wanted_logprobs(plan.reqs))
+            logprobs = self.runner.logprobs or [None] * len(plan.reqs)
+            for req, token, lp in zip(plan.reqs, tokens, logprobs):
+                deltas.append(self._commit(req, [token], lp))
+        scheduler.finished.clear()  # the engine hands finished requests back itself; keep the scheduler bounded
+        return deltas
 
-    def _commit(self, scheduler: Scheduler, req: Req, tokens: list[int]) -> None:
-        """Append committed tokens and end the request where the reference would (``reference/request/stopping.py``)."""
-        decode = self.decode if self.tokenizer is not None else None
-        stopper = Stopper(req.params, self.stop_ids, decode, req.max_new_tokens)
-        req.output_ids, reason = stopper.check(req.output_ids + tokens)
-        if reason is not None:
-            req.text = stopper.final_text(req.output_ids)
+    def _wanted_logprobs(self, reqs: Sequence[Req]) -> list[int | None] | None:
+        """The runner's ``top_logprobs`` argument: None (the default path) unless a request asked."""
+        if not self._top_logprobs:
+            return None
+        wanted = [self._top_logprobs.get(r.rid) for r in reqs]
+        return wanted if any(n is not None for n in wanted) else None
+
+    def _commit(self, req: Req, tokens: list[int], logprobs: list[TokenLogprob] | None, num_drafts: int = 0,
+                num_accepted: int | None = None) -> RequestDelta:
+        """Append committed tokens and end the request where the reference would
+        (``reference/request/stopping.py``); an exception here fails this request alone."""
+        before = len(req.output_ids)
+        try:
+            decode = self.decode if self.tokenizer is not None else None
+            stopper = Stopper(req.params, self.stop_ids, decode, req.max_new_tokens)
+            req.output_ids, reason = stopper.check(req.output_ids + tokens)
+            if reason is not None:
+                req.text = stopper.final_text(req.output_ids)
+        except Exception as exc:  # noqa: BLE001 - a bug in one request's commit must not end the others
+            logger.exception("request %d: committing its tokens failed", req.rid)
+            req.output_ids = req.output_ids[:before]
+            reason, req.error = "error", f"internal error while committing tokens: {type(exc).__name__}: {exc}"
+        new = req.output_ids[before:]
+        logprobs = None if logprobs is None else logprobs[:len(new)]
+        if reason is None:
+            return RequestDelta(req.rid, new, logprobs=logprobs, num_drafts=num_drafts, num_accepted=num_accepted)
+        req.finish_s = time.perf_counter()
+        self.scheduler.finish(req, reason, req.error)
+        return self._finished(req, new, logprobs, num_drafts, num_accepted)
+
+    def _finished(self, req: Req, new: list[int], logprobs: list[TokenLogprob] | None, num_drafts: int = 0,
+                  num_accepted: int | None = None) -> RequestDelta:
+        """Forget a request the scheduler has just finished; its last delta."""
+        self._live.pop(req.rid, None)
+        self._top_logprobs.pop(req.rid, None)
+        if req.finish_s is None:
             req.finish_s = time.perf_counter()
-            scheduler.finish(req, reason)
+        return RequestDelta(req.rid, new, True, req.finish_reason, logprobs, num_drafts, num_accepted, req.error,
+                            req.text)
 
     def _output(self, req: Req) -> RequestOutput:
         timing = {}

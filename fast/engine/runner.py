@@ -19,12 +19,18 @@ positions, so nothing is freed or copied on a rejection. The DFlash ring is the 
 
 Tensors are built on the host from the plan (per-request bookkeeping between steps) and copied to
 the device once per step; the one device-to-host sync per step reads the committed tokens.
+
+Logprobs (optional, off by default): a step given ``top_logprobs`` (one entry per plan request: None
+for a request that wants none, else how many alternatives) also leaves in ``self.logprobs``, per
+plan request, a :class:`TokenLogprob` for each token it committed (before any stop cut), read from
+the target's filtered distribution at that token's row (``fast/engine/logprobs.py``): the prefill
+row that completes a prompt, the decode row, or verify rows 0..num_accepted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -32,11 +38,14 @@ from torch import Tensor
 from dflash2.reference.request.sampling_params import SamplingParams
 from dflash2.reference.request.trace import StepRecord
 
+from ..kernels.philox import seeds_tensor
 from ..kernels.sampler import SamplingTensors
 from ..model.batch import ForwardBatch
 from ..model.pools import commit_verify
 from ..speculative.proposal import DraftProposal
-from .sampler import sample_next, sampling_tensors, verify_ragged
+from .logprobs import TokenLogprob, select_rows, token_logprobs
+from .graphs import GraphKey, StepGraphs, TargetGraphs, batch_view, kv_slot_mapping
+from .sampler import VerifyOutput, sample_next, sampling_tensors, verify_ragged
 from .scheduler import DecodePlan, PrefillPlan, Req
 
 
@@ -63,9 +72,19 @@ class ModelRunner:
     """Runs the steps of a scheduler on a target (and a proposer), on one device."""
 
     def __init__(self, target, pools, proposer: Proposer | None, *, page_size: int, device: torch.device,
-                 trace: bool = False):
+                 trace: bool = False, graphs: TargetGraphs | None = None):
         self.target, self.pools, self.proposer = target, pools, proposer
         self.page_size, self.device, self.trace = page_size, device, trace
+        self.graphs = graphs  # CUDA graphs of the decode and verify forwards (None: every step eager)
+        self.step_graphs = None  # whole speculative steps as CUDA graphs (when a proposer runs on CUDA)
+        if graphs is not None and proposer is not None:
+            self.step_graphs = StepGraphs(pools, self.verify_step_fn, max_seqs=graphs.max_seqs,
+                                          max_pages=graphs.max_pages)
+        # Benchmarks only (bench/): drafts kept per verify step, called once per step. Random weights
+        # accept nothing, so ``ft bench`` fixes the acceptance to time a step at a published length.
+        # No serving path sets it: EngineConfig, LLM and ft generate/serve have no flag for it.
+        self.simulated_accept: Callable[[], int] | None = None
+        self.logprobs: list[list[TokenLogprob] | None] | None = None  # the last step's, when asked for
 
     # ---- batch building -------------------------------------------------------------------------
 
@@ -84,7 +103,7 @@ class ModelRunner:
         cu[1:] = lengths_t.cumsum(0)
         seq = torch.repeat_interleave(torch.arange(len(reqs)), lengths_t)  # [N] the sequence of each row
         positions = starts_t[seq] + torch.arange(int(cu[-1])) - cu[:-1][seq]  # [N]
-        kv_slots = host_tables[seq, positions // self.page_size] * self.page_size + positions % self.page_size
+        kv_slots = kv_slot_mapping(host_tables, seq, positions, self.page_size)
         to_device = {"device": self.device}
         return ForwardBatch(
             token_ids=token_ids, positions=positions.to(**to_device), cu_seqlens=cu.to(torch.int32).to(**to_device),
@@ -92,6 +111,22 @@ class ModelRunner:
             block_tables=host_tables.to(torch.int32).to(**to_device) if block_tables is None else block_tables,
             context_lens=(starts_t + lengths_t).to(**to_device), is_verify=is_verify,
             logits_rows=self._tensor(list(logits_rows)), max_query_len=max(lengths))
+
+    def forward_uniform(self, reqs: Sequence[Req], starts: Sequence[int], rows: int, token_ids: Tensor, *,
+                        is_verify: bool, logits_rows: Sequence[int],
+                        block_tables: Tensor | None = None) -> tuple[ForwardBatch, object]:
+        """The target over ``rows`` rows per request at ``starts[b]..``: by CUDA-graph replay when the
+        step fits a captured shape (``fast/engine/graphs.py``), else eagerly. Returns (batch, output)."""
+        if self.graphs is not None:
+            host_tables = self._page_table(reqs)
+            key = self.graphs.key_for(len(reqs), rows, host_tables.shape[1], is_verify)
+            if key is not None:
+                return self.graphs.run(key, token_ids, starts=torch.tensor(list(starts)),
+                                       slots=torch.tensor([r.slot for r in reqs]), tables=host_tables,
+                                       logits_rows=torch.tensor(list(logits_rows)))
+        batch = self.build_batch(reqs, starts, [rows] * len(reqs), token_ids, is_verify=is_verify,
+                                 logits_rows=logits_rows, block_tables=block_tables)
+        return batch, self.target.forward(batch, self.pools)
 
     @staticmethod
     def _page_table(reqs: Sequence[Req], min_pages: int = 0) -> Tensor:
@@ -114,10 +149,24 @@ class ModelRunner:
     def sampling(self, params: Sequence[SamplingParams]) -> SamplingTensors:
         return sampling_tensors(params, self.device)
 
+    def _committed_logprobs(self, logits: Tensor, st: SamplingTensors, tokens: Tensor, owners: Sequence[int],
+                            top_logprobs: Sequence[int | None]) -> list[list[TokenLogprob] | None]:
+        """``logits [M, V]``, ``st`` and ``tokens [M]``: the committed tokens' rows; ``owners[m]``: the plan
+        request row m belongs to (rows of one request in order). Per plan request, its TokenLogprobs."""
+        result = [None if n is None else [] for n in top_logprobs]
+        rows = [m for m, b in enumerate(owners) if top_logprobs[b] is not None]
+        if rows:
+            index = self._tensor(rows)
+            for m, lp in zip(rows, token_logprobs(logits[index], select_rows(st, index), tokens[index],
+                                                  [top_logprobs[owners[m]] for m in rows])):
+                result[owners[m]].append(lp)
+        return result
+
     # ---- steps ----------------------------------------------------------------------------------
 
-    def prefill(self, plan: PrefillPlan) -> list[int | None]:
+    def prefill(self, plan: PrefillPlan, top_logprobs: Sequence[int | None] | None = None) -> list[int | None]:
         """Run the chunks; the first output token of each chunk that completes its prompt, else None."""
+        self.logprobs = None
         chunks = plan.chunks
         reqs = [c.req for c in chunks]
         tokens = [t for c in chunks for t in c.req.prompt_ids[c.start:c.start + c.length]]
@@ -132,25 +181,37 @@ class ModelRunner:
         if done:
             st = self.sampling([chunks[i].req.params for i in done])
             positions = self._tensor([chunks[i].req.prompt_len for i in done])
-            for i, token in zip(done, sample_next(out.logits, st, positions).tolist()):
+            sampled = sample_next(out.logits, st, positions)
+            for i, token in zip(done, sampled.tolist()):
                 first[i] = token
+            if top_logprobs is not None:
+                self.logprobs = self._committed_logprobs(out.logits, st, sampled, done, top_logprobs)
         return first
 
-    def decode(self, plan: DecodePlan) -> list[int]:
+    def decode(self, plan: DecodePlan, top_logprobs: Sequence[int | None] | None = None) -> list[int]:
         """Plain decoding: one token per request."""
+        self.logprobs = None
         reqs = plan.reqs
         anchors = [r.anchor_position for r in reqs]
-        batch = self.build_batch(reqs, anchors, [1] * len(reqs), self._tensor([r.output_ids[-1] for r in reqs]),
-                                 is_verify=False, logits_rows=range(len(reqs)))
-        out = self.target.forward(batch, self.pools)
+        _, out = self.forward_uniform(reqs, anchors, 1, self._tensor([r.output_ids[-1] for r in reqs]),
+                                      is_verify=False, logits_rows=range(len(reqs)))
         st = self.sampling([r.params for r in reqs])
-        return sample_next(out.logits, st, self._tensor(anchors) + 1).tolist()
+        sampled = sample_next(out.logits, st, self._tensor(anchors) + 1)
+        if top_logprobs is not None:
+            self.logprobs = self._committed_logprobs(out.logits, st, sampled, range(len(reqs)), top_logprobs)
+        return sampled.tolist()
 
-    def verify(self, plan: DecodePlan) -> list[VerifyResult]:
+    def verify(self, plan: DecodePlan, top_logprobs: Sequence[int | None] | None = None) -> list[VerifyResult]:
         """One speculative step for every request of the plan (per-request k_b = ``plan.num_drafts``)."""
+        self.logprobs = None
         reqs, num_drafts = plan.reqs, plan.num_drafts
         k = max(num_drafts)
         rows = k + 1
+        if (self.step_graphs is not None and top_logprobs is None and not self.trace and k
+                and min(num_drafts) == k):
+            graphed = self._verify_graphed(reqs, k)
+            if graphed is not None:
+                return graphed
         st = self.sampling([r.params for r in reqs])
         anchor_list = [r.anchor_position for r in reqs]
         anchors = self._tensor(anchor_list)
@@ -166,17 +227,29 @@ class ModelRunner:
         flat_rows = [b * rows + i for b, kb in enumerate(num_drafts) for i in range(kb + 1)]
         token_ids = torch.cat([anchor_tokens[:, None], draft_tokens], dim=1).reshape(-1)[self._tensor(flat_rows)]
         lengths = [kb + 1 for kb in num_drafts]
-        batch = self.build_batch(reqs, anchor_list, lengths, token_ids, is_verify=True,
-                                 logits_rows=range(len(flat_rows)), block_tables=tables)
-        out = self.target.forward(batch, self.pools)
+        if len(set(lengths)) == 1:
+            batch, out = self.forward_uniform(reqs, anchor_list, lengths[0], token_ids, is_verify=True,
+                                              logits_rows=range(len(flat_rows)), block_tables=tables)
+        else:  # requests near their end verify fewer drafts: a ragged step, run eagerly
+            batch = self.build_batch(reqs, anchor_list, lengths, token_ids, is_verify=True,
+                                     logits_rows=range(len(flat_rows)), block_tables=tables)
+            out = self.target.forward(batch, self.pools)
         starts = torch.tensor([0] + lengths).cumsum(0).tolist()
         padded = [starts[b] + min(i, kb) for b, kb in enumerate(num_drafts) for i in range(rows)]
         logits = out.logits[self._tensor(padded)].reshape(len(reqs), rows, -1)  # [B, k+1, V]
         result = verify_ragged(logits, draft_tokens, proposal.cand_ids, proposal.draft_probs, num_drafts, st, anchors)
+        if self.simulated_accept is not None and k:
+            result = self._simulated(draft_tokens, num_drafts)
         num_committed = result.num_accepted + 1
         commit_verify(self.pools, batch, num_committed)
         self.proposer.observe(batch, out, num_committed)
         accepted, emitted = result.num_accepted.tolist(), result.emitted.tolist()
+        if top_logprobs is not None:  # the committed tokens sit at rows 0..num_accepted of each request
+            owners = [b for b, a in enumerate(accepted) for _ in range(a + 1)]
+            flat = self._tensor([b * rows + i for b, a in enumerate(accepted) for i in range(a + 1)])
+            self.logprobs = self._committed_logprobs(
+                logits.reshape(len(reqs) * rows, -1)[flat], select_rows(st, self._tensor(owners)),
+                result.emitted.reshape(-1)[flat], owners, top_logprobs)
         traces = [None] * len(reqs)
         if self.trace:
             argmax, cands, probs = (logits.argmax(dim=2).tolist(), proposal.cand_ids.tolist(),
@@ -185,6 +258,59 @@ class ModelRunner:
                                 argmax[b][:kb + 1], accepted[b], emitted[b][:accepted[b] + 1])
                       for b, kb in enumerate(num_drafts)]
         return [VerifyResult(a, e[:a + 1], t) for a, e, t in zip(accepted, emitted, traces)]
+
+
+    # ---- the whole speculative step as one CUDA graph --------------------------------------------
+
+    def _verify_graphed(self, reqs: Sequence[Req], k: int) -> list[VerifyResult] | None:
+        """``verify`` for requests that all draft k, by replaying the captured step; None if no graph fits."""
+        rows = k + 1
+        anchor_list = [r.anchor_position for r in reqs]
+        tables = self._page_table(reqs, -(-(max(anchor_list) + rows) // self.page_size))
+        key = self.step_graphs.key_for(len(reqs), rows, tables.shape[1], True)
+        if key is None:
+            return None
+        params = [r.params for r in reqs]
+        keep = self.simulated_accept() if self.simulated_accept is not None else -1
+        accepted, emitted = self.step_graphs.run(
+            key, anchors=torch.tensor(anchor_list), slots=torch.tensor([r.slot for r in reqs]), tables=tables,
+            anchor_tokens=torch.tensor([r.output_ids[-1] for r in reqs]),
+            temperature=torch.tensor([sp.temperature for sp in params]), top_k=torch.tensor([sp.top_k for sp in params]),
+            top_p=torch.tensor([sp.top_p for sp in params]), seeds=seeds_tensor([sp.seed for sp in params]),
+            keep=torch.full((len(reqs),), keep))
+        accepted, emitted = accepted.tolist(), emitted.tolist()  # the step's one device-to-host read
+        return [VerifyResult(a, e[:a + 1], None) for a, e in zip(accepted, emitted)]
+
+    def verify_step_fn(self, views: dict[str, Tensor], key: GraphKey) -> tuple[Tensor, Tensor]:
+        """One speculative step over the static fields of ``key`` (captured by ``StepGraphs``):
+        propose k drafts, run the target over [anchor, drafts], verify, commit the GDN state, observe.
+        ``views["keep"] >= 0`` (benchmarks only) replaces the verify's acceptance by that many drafts."""
+        b, rows = key.num_seqs, key.rows_per_seq
+        k = rows - 1
+        st = SamplingTensors(views["temperature"], views["top_k"], views["top_p"], views["seeds"])
+        anchors, anchor_tokens = views["anchors"], views["anchor_tokens"]
+        tables = views["block_tables"].view(b, key.pages).to(torch.int32)
+        proposal = self.proposer.propose(anchor_tokens, anchors, views["state_slots"], tables, k, st)
+        token_ids = torch.cat([anchor_tokens[:, None], proposal.tokens], dim=1).reshape(-1)
+        batch = batch_view(views, key, token_ids)
+        out = self.target.forward(batch, self.pools)
+        logits = out.logits.view(b, rows, -1)
+        result = verify_ragged(logits, proposal.tokens, proposal.cand_ids, proposal.draft_probs, [k] * b, st, anchors)
+        keep = views["keep"]
+        num_accepted = torch.where(keep >= 0, keep.clamp(max=k), result.num_accepted)
+        emitted = torch.where((keep >= 0)[:, None], torch.cat([proposal.tokens, proposal.tokens[:, :1]], dim=1),
+                              result.emitted)
+        num_committed = num_accepted + 1
+        commit_verify(self.pools, batch, num_committed)
+        self.proposer.observe(batch, out, num_committed)
+        return num_accepted, emitted
+
+    def _simulated(self, draft_tokens: Tensor, num_drafts: Sequence[int]) -> VerifyOutput:
+        """Timing only: every request keeps ``simulated_accept()`` drafts (at most its k_b) and emits a
+        draft token as its correction, so the step does what a real one with that acceptance does."""
+        keep = self.simulated_accept()
+        accepted = torch.tensor([min(keep, kb) for kb in num_drafts], dtype=torch.long, device=self.device)
+        return VerifyOutput(accepted, torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1))
 
 
 class DFlashDrafter:

@@ -29,7 +29,7 @@ from ..model.target import FastTarget
 from ..speculative.dflash import FastDFlashProposer
 from ..speculative.mtp import FastMTPProposer
 from .config import EngineConfig
-from .memory import MemoryPlan, cache_budget_bytes, dflash_slot_bytes, log_plan, plan_memory
+from .memory import MemoryPlan, cache_budget_bytes, dflash_slot_bytes, dflash_workspace_bytes, log_plan, plan_memory
 from .runner import DFlashDrafter, MTPDrafter, Proposer
 
 logger = logging.getLogger("dflash2.fast.engine")
@@ -100,6 +100,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
         state_bytes_per_slot=gdn_bytes_per_slot(target_cfg, dtype)
         + verify_bytes_per_seq(target_cfg, dtype, num_steps + 1),
         draft_bytes_per_slot=ring_bytes + window_bytes,
+        # on CUDA the budget is everything within memory_ratio, so the draft's temporaries come out of it;
+        # on CPU cpu_cache_bytes budgets the caches alone
+        workspace_bytes=0 if draft_cfg is None or device.type != "cuda" else dflash_workspace_bytes(
+            draft_cfg, dtype, max_num_batched_tokens=cfg.max_num_batched_tokens, num_slots=num_slots),
         budget_field="memory_ratio" if device.type == "cuda" else "cpu_cache_bytes")
     log_plan(plan, draft_ring_bytes=ring_bytes, draft_window_bytes=window_bytes)
     pools = CachePools(target_cfg, plan.num_pages, cfg.page_size, num_slots, num_steps + 1, dtype, device,

@@ -86,6 +86,8 @@ class FastDFlashProposer:
         """
         if not 1 <= k <= self.cfg.block_size - 1:
             raise ValueError(f"k={k}: expected 1 .. {self.cfg.block_size - 1} (block_size - 1)")
+        # a padding request (slot PAD_SLOT, e.g. filling a CUDA-graph bucket) reads the all-zero slot
+        slots = torch.where(slots < 0, self.ring.zero_slot, slots)
         blocks = self.draft.forward_blocks(anchor_tokens, anchor_positions, self.ring, slots)
         walk = select(blocks.logits, blocks.hidden, self.hidden_projection, self.predecessor_codebook,
                       self.successor_codebook, anchor_tokens, k, self.cfg.selector_top_k, temperatures.float(),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash2.fast.engine.config import ENGINE_FLAGS, EngineConfig, add_engine_args, engine_config_from_args
-from dflash2.fast.engine.memory import dflash_slot_bytes, log_plan, plan_memory
+from dflash2.fast.engine.memory import dflash_slot_bytes, dflash_workspace_bytes, log_plan, plan_memory
 from dflash2.fast.model.pools import CachePools, gdn_bytes_per_slot, kv_bytes_per_token
 from dflash2.fast.speculative.ring_pool import RingPool, WindowPool
 from dflash2.reference.formats.draft_config import parse_draft_config
@@ -96,3 +96,30 @@ def test_byte_counts_equal_the_allocated_pools(caplog):
         log_plan(plan, draft_ring_bytes=ring_bytes, draft_window_bytes=window_bytes)
     assert f"KV cache: {plan.kv_tokens} tokens" in caplog.text
     assert "DFlash draft per slot" in caplog.text and "dflash_window" in caplog.text
+
+
+def test_the_draft_workspace_covers_a_prefill_chunk_and_a_full_ring_rebuild():
+    """The plan sets aside what the draft's own temporaries take: the tapped features, context rows and
+    context K/V of a whole prefill chunk, or a rebuild of every slot's ring (the tensors, as allocated)."""
+    from dflash2.fast.model.draft import FastDraft
+    from dflash2.reference.tiny.dummy import dummy_draft_weights
+
+    cfg = tiny_target_config("tiny-dense")
+    draft_cfg = parse_draft_config(tiny_draft_config(cfg, sliding_window=40), cfg)
+    embed = torch.zeros(cfg.vocab_size, cfg.hidden_size)
+    draft = FastDraft(draft_cfg, dummy_draft_weights(draft_cfg, dtype=torch.float32), embed, embed, torch.float32, "cpu")
+    rows, slots = 37, 3
+    nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    features = torch.randn(rows, draft_cfg.num_taps * cfg.hidden_size)
+    context = draft.context_rows(features)
+    k, v = draft.context_kv(context, torch.arange(rows))
+    prefill = nbytes(features, context, k, v)
+    window_rows = torch.randn(slots * (draft_cfg.sliding_window - 1), cfg.hidden_size)
+    rk, rv = draft.context_kv(window_rows, torch.arange(window_rows.shape[0]))
+    rebuild = nbytes(window_rows, rk, rv)
+    workspace = dflash_workspace_bytes(draft_cfg, torch.float32, max_num_batched_tokens=rows, num_slots=slots)
+    assert workspace == max(prefill, rebuild)
+    plan = plan_memory(1 << 20, page_size=4, num_slots=slots, max_model_len=10**6, kv_bytes_per_token=64,
+                       state_bytes_per_slot=100, workspace_bytes=workspace)
+    assert plan.total_bytes <= 1 << 20 and plan.workspace_bytes == workspace
+    assert plan.num_pages == ((1 << 20) - slots * 100 - workspace) // (4 * 64)

@@ -1,0 +1,104 @@
+"""CUDA-graph replay of the decode and verify forwards (fast/engine/graphs.py) on the GPU lane.
+
+1. EXACT: for every key shape, one replay equals an eager forward of the same padded batch bit for
+   bit (logits, hidden, taps), and writes the same K/V and GDN state (the pools are cloned, one copy
+   runs each path). Padding sequences leave every real slot untouched.
+2. TOKEN_STREAM: greedy requests through the engine with graphs (plain decode: the target forward;
+   MTP and DFlash: the whole propose-verify-commit-observe step) give the tokens of the eager engine
+   (``--enforce-eager``), dense and MoE, 5 requests of different lengths on 3 slots (so buckets pad),
+   with graphs actually replayed (the graph count is asserted).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash2.fast.engine.graphs import GraphKey, TargetGraphs, batch_view, capturable
+from dflash2.fast.llm import LLM, SamplingParams
+from dflash2.reference.runner import ReferenceRunner
+from dflash2.reference.tiny.draft import write_tiny_draft
+from dflash2.reference.tiny.target import write_tiny_target
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")]
+
+
+@pytest.fixture(scope="module", params=["tiny-dense", "tiny-moe"])
+def stack(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    target = write_tiny_target(root / "target", request.param, tokenizer=None)
+    draft = write_tiny_draft(root / "draft", target)
+    return request.param, target, draft
+
+
+def _pools_state(pools) -> list[torch.Tensor]:
+    """Every cache row a real sequence can read. The trash row and slot are left out: padding rows all
+    write there, and which duplicate write lands last is not fixed."""
+    tensors = [kv.keys for kv in pools.attention.values()] + [kv.values for kv in pools.attention.values()]
+    for slots in pools.gdn.values():
+        tensors += [slots.conv, slots.recurrent, slots.verify_recurrent[:3], slots.verify_conv_inputs[:3]]
+    return tensors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replay_equals_eager_on_the_same_padded_batch(stack, dtype):
+    name, target_dir, draft_dir = stack
+    llm = LLM(target_dir, dtype=dtype, device="cuda", max_running_req=4, enforce_eager=True,  # scratch for 8 rows
+              speculative_algorithm="dflash", speculative_draft_model_path=draft_dir, speculative_num_steps=7)
+    target, pools = llm.engine.model.target, llm.engine.model.pools
+    assert capturable(target), f"{name}: the target's forward is not capturable (an op syncs with the host)"
+    # write some context into slots 0..2 with an eager prefill so the step reads real state
+    llm.generate([[5, 6, 7, 8, 9, 10, 11], [3, 4], [7] * 20], SamplingParams(max_tokens=3, temperature=0.0))
+    graphs = TargetGraphs(target, pools, max_seqs=4, max_pages=8)
+    gen = torch.Generator().manual_seed(0)
+    for rows, is_verify in ((1, False), (8, True)):
+        starts = torch.tensor([9, 4, 21])
+        slots = torch.tensor([0, 1, 2])
+        tables = torch.tensor([[0, 1, -1], [2, -1, -1], [3, 4, 5]])
+        key = graphs.key_for(3, rows, tables.shape[1], is_verify)
+        assert key == GraphKey(4, rows, 8, is_verify)  # 3 sequences -> bucket 4, widths capped at max_pages
+        tokens = torch.randint(0, target.cfg.vocab_size, (3 * rows,), generator=gen).cuda()
+        logits_rows = torch.arange(3 * rows) if is_verify else torch.arange(3)
+
+        before = [t.clone() for t in _pools_state(pools)]
+        idle_slot = [s.recurrent_storage[3].clone() for s in pools.gdn.values()]  # slot 3 is not in the batch
+        batch, out = graphs.run(key, tokens, starts=starts, slots=slots, tables=tables, logits_rows=logits_rows)
+        replayed = (out.logits.clone(), out.hidden.clone(), out.taps.clone())
+        after_replay = [t.clone() for t in _pools_state(pools)]
+
+        for t, saved in zip(_pools_state(pools), before):  # rewind the pools, then run the padded batch eagerly
+            t.copy_(saved)
+        step = graphs.graphs[key]
+        eager = target.forward(batch_view(step.inputs.views, key, step.tokens), pools)
+        m, n = logits_rows.numel(), 3 * rows
+        for what, a, b in (("logits", replayed[0], eager.logits[:m]), ("hidden", replayed[1], eager.hidden[:n]),
+                           ("taps", replayed[2], eager.taps[:n])):
+            assert torch.equal(a, b), f"{name} {dtype} rows={rows}: replayed {what} differ from eager"
+        for i, (a, b) in enumerate(zip(after_replay, _pools_state(pools))):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), f"{name} {dtype} rows={rows}: cache tensor {i}"
+        for saved, slots_pool in zip(idle_slot, pools.gdn.values()):  # padding sequences write the trash slot only
+            assert torch.equal(saved.nan_to_num(), slots_pool.recurrent_storage[3].nan_to_num())
+
+
+@pytest.mark.parametrize("algorithm", ["none", "mtp", "dflash"])
+def test_graph_engine_gives_the_eager_engines_tokens(stack, algorithm):
+    name, target_dir, draft_dir = stack
+    prompts = [[1, 2, 3], list(range(5, 30)), [9] * 7, list(range(40, 51)), [4, 4]]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    kwargs = dict(dtype=torch.float32, device="cuda", max_running_req=3, speculative_algorithm=algorithm,
+                  speculative_draft_model_path=draft_dir if algorithm == "dflash" else None)
+    graphed = LLM(target_dir, **kwargs)
+    fast = graphed.generate(prompts, params)
+    runner = graphed.engine.runner
+    replayed = runner.graphs.graphs if algorithm == "none" else runner.step_graphs.graphs
+    assert replayed, f"{name} {algorithm}: no step was replayed from a CUDA graph"
+    eager = LLM(target_dir, enforce_eager=True, **kwargs).generate(prompts, params)
+    runner = None  # the reference, to judge a divergence
+    for prompt, a, b in zip(prompts, fast, eager):
+        if a.token_ids != b.token_ids:
+            runner = runner or ReferenceRunner(target_dir)
+            j = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
+            logits = runner.target.forward(torch.tensor(prompt + b.token_ids[:j])).logits[-1]
+            top = torch.topk(logits, 2).values
+            assert float(top[0] - top[1]) <= 1e-4, (f"{name} {algorithm}: graph and eager engines differ at token "
+                                                     f"{j} without a near tie\ngraph {a.token_ids}\neager {b.token_ids}")

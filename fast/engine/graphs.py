@@ -1,0 +1,306 @@
+"""CUDA graphs of the engine's decode and verify steps: static buffers per bucket, one upload per step.
+
+Launched eagerly, a decode or verify step of a 40-64-layer hybrid is hundreds to thousands of
+small kernels, and at a few requests their launch gaps cost more than the weights' bytes. Here each
+step shape is captured once as a CUDA graph and replayed:
+
+- ``TargetGraphs``: the target forward alone (plain decode: one row per request; also a verify's
+  forward when the whole step cannot be captured);
+- ``StepGraphs``: a whole speculative step, propose -> target verify forward -> verify ->
+  ``commit_verify`` -> observe, as one graph (``ModelRunner.verify_step_fn`` builds it).
+
+Keys: ``(B bucket, rows per sequence R, page-table width bucket P, is_verify)``; the B bucket is the
+smallest of 1, 2, 4, 8, ... (capped at max_running_req) that holds the batch, the P bucket the next
+power of two of the pages any sequence needs (at least MIN_PAGES, capped at the model's maximum).
+
+Each graph owns static inputs (:class:`StaticInputs`): named int64 and fp32 fields that the host
+fills in two pinned buffers and uploads with one non-blocking copy each. The ForwardBatch fields
+(positions, cu_seqlens, state slots, K/V slots, page tables, context lengths, logits rows) follow
+``fast/model/batch.py``'s padding: padding sequences have R rows each, state slot and K/V slots
+``PAD_SLOT`` (they read the zero state, write the trash slot and row), no pages and context length
+0, so they change nothing a real row reads; their outputs are computed and dropped.
+
+Capture happens on first use of a key, on all-padding inputs (the warm-up runs and the capture then
+touch only the trash slot and row), so no step runs twice. All graphs share one memory pool: they
+replay one at a time, and each step's outputs are read before the next replay. A step that fits no
+graph (a prefill chunk, a verify whose requests draft different k, more requests than
+max_running_req, a traced step, CPU tensors, or ops that synchronise with the host) runs eagerly;
+``enforce_eager`` runs every step eagerly.
+
+Eager and replay compute the same padded batch with the same kernels, so their outputs are equal
+bit for bit (``conformance/gpu/test_cuda_graphs.py``); an unpadded eager step may differ in
+rounding, since GEMM kernels are chosen by row count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..model.batch import PAD_SLOT, ForwardBatch
+from ..model.moe import moe_experts_torch
+from ..model.target import FastOutput, FastTarget
+
+MIN_PAGES = 16
+
+
+def capturable(target: FastTarget) -> bool:
+    """Whether the target's forward can be captured: on CUDA, and no op that reads device values on the host
+    (the torch MoE reads its per-expert counts; the fused MoE kernel does not)."""
+    return target.device.type == "cuda" and not (target.cfg.is_moe and target.ops.moe_experts is moe_experts_torch)
+
+
+def buckets(max_seqs: int) -> list[int]:
+    """Batch-size buckets: powers of two below ``max_seqs``, then ``max_seqs`` itself."""
+    sizes, b = [], 1
+    while b < max_seqs:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_seqs]
+
+
+def page_bucket(pages: int, max_pages: int) -> int:
+    """The page-table width a step of ``pages`` pages replays with: a power of two, capped at ``max_pages``."""
+    width = MIN_PAGES
+    while width < pages:
+        width *= 2
+    return min(width, max_pages)
+
+
+def kv_slot_mapping(tables: Tensor, seq: Tensor, positions: Tensor, page_size: int) -> Tensor:
+    """Flat K/V slot of each row: page ``tables[seq, p // page_size]``, offset ``p % page_size``  # [N]."""
+    return tables[seq, positions // page_size] * page_size + positions % page_size
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    num_seqs: int  # B bucket
+    rows_per_seq: int  # R: 1 for decode, k+1 for verify
+    pages: int  # page-table width P
+    is_verify: bool
+
+
+class StaticInputs:
+    """Named fixed-size device fields (int64 and fp32), each dtype one buffer, filled from pinned host twins."""
+
+    def __init__(self, int_fields: dict[str, int], float_fields: dict[str, int], device: torch.device):
+        self.views, self.host = {}, {}
+        self._pairs = []
+        cuda = device.type == "cuda"
+        for dtype, fields in ((torch.long, int_fields), (torch.float32, float_fields)):
+            size = sum(fields.values())
+            device_buf = torch.zeros(size, dtype=dtype, device=device)
+            host_buf = torch.zeros(size, dtype=dtype, pin_memory=cuda)
+            start = 0
+            for name, n in fields.items():
+                self.views[name], self.host[name] = device_buf[start:start + n], host_buf[start:start + n]
+                start += n
+            self._pairs.append((device_buf, host_buf))
+        self._uploaded = torch.cuda.Event() if cuda else None
+
+    def begin_fill(self) -> dict[str, Tensor]:
+        """The host fields to write (after the previous upload has left the pinned buffers)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        return self.host
+
+    def upload(self) -> None:
+        for device_buf, host_buf in self._pairs:
+            device_buf.copy_(host_buf, non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+
+
+def batch_fields(key: GraphKey) -> dict[str, int]:
+    b, r = key.num_seqs, key.rows_per_seq
+    return {"positions": b * r, "cu_seqlens": b + 1, "state_slots": b, "kv_slot_mapping": b * r,
+            "block_tables": b * key.pages, "context_lens": b, "logits_rows": b * r}
+
+
+def fill_batch(host: dict[str, Tensor], key: GraphKey, *, starts: Tensor, slots: Tensor, tables: Tensor,
+               logits_rows: Tensor, page_size: int) -> None:
+    """Write the padded ForwardBatch fields of ``len(starts)`` real sequences of R rows each.
+
+    starts, slots: ``[B']`` int64; tables: ``[B', P']`` int64 (-1 past each sequence's pages, P' <= P);
+    logits_rows: ``[M]`` int64 (padded with every row after them).
+    """
+    b, r, p = key.num_seqs, key.rows_per_seq, key.pages
+    num_seqs = starts.numel()
+    n_real = num_seqs * r
+    positions = (starts[:, None] + torch.arange(r)).reshape(-1)  # [n_real]
+    host["positions"].zero_()
+    host["positions"][:n_real] = positions
+    host["cu_seqlens"].copy_(torch.arange(b + 1) * r)
+    host["state_slots"].fill_(PAD_SLOT)
+    host["state_slots"][:num_seqs] = slots
+    host["kv_slot_mapping"].fill_(PAD_SLOT)
+    if num_seqs:
+        seq = torch.arange(num_seqs).repeat_interleave(r)
+        host["kv_slot_mapping"][:n_real] = kv_slot_mapping(tables, seq, positions, page_size)
+    table = host["block_tables"].view(b, p)
+    table.fill_(PAD_SLOT)
+    table[:num_seqs, :tables.shape[1]] = tables
+    host["context_lens"].zero_()
+    host["context_lens"][:num_seqs] = starts + r
+    host["logits_rows"].copy_(torch.arange(b * r))
+    host["logits_rows"][:logits_rows.numel()] = logits_rows
+
+
+def batch_view(views: dict[str, Tensor], key: GraphKey, token_ids: Tensor) -> ForwardBatch:
+    """The ForwardBatch over the static fields (its int32 casts run inside the graph, so they replay too)."""
+    return ForwardBatch(
+        token_ids=token_ids, positions=views["positions"], cu_seqlens=views["cu_seqlens"].to(torch.int32),
+        state_slots=views["state_slots"], kv_slot_mapping=views["kv_slot_mapping"],
+        block_tables=views["block_tables"].view(key.num_seqs, key.pages).to(torch.int32),
+        context_lens=views["context_lens"], is_verify=key.is_verify, logits_rows=views["logits_rows"],
+        max_query_len=key.rows_per_seq)
+
+
+def real_rows(batch: ForwardBatch, num_seqs: int, num_rows: int, num_logits: int) -> ForwardBatch:
+    """The first ``num_seqs`` sequences (``num_rows`` rows) of a padded batch, as views."""
+    return ForwardBatch(token_ids=batch.token_ids[:num_rows], positions=batch.positions[:num_rows],
+                        cu_seqlens=batch.cu_seqlens[:num_seqs + 1], state_slots=batch.state_slots[:num_seqs],
+                        kv_slot_mapping=batch.kv_slot_mapping[:num_rows], block_tables=batch.block_tables[:num_seqs],
+                        context_lens=batch.context_lens[:num_seqs], is_verify=batch.is_verify,
+                        logits_rows=batch.logits_rows[:num_logits], max_query_len=batch.max_query_len)
+
+
+class CapturedStep:
+    """``fn(views)`` captured once over ``inputs`` (all padding when captured); ``replay`` reruns it.
+
+    On a CPU device nothing is captured and ``replay`` calls ``fn`` on the static fields: the same
+    buffers and padding, so the CPU lane tests everything here but the capture itself.
+    """
+
+    def __init__(self, inputs: StaticInputs, fn: Callable[[dict[str, Tensor]], object], device: torch.device,
+                 mempool) -> None:
+        self.inputs, self.fn, self.graph = inputs, fn, None
+        if device.type != "cuda":
+            return
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compiles Triton kernels, creates cuBLAS handles and workspaces
+                fn(inputs.views)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=mempool):
+            self.out = fn(inputs.views)
+
+    def replay(self):
+        if self.graph is None:
+            return self.fn(self.inputs.views)
+        self.graph.replay()
+        return self.out
+
+
+class _KeyedGraphs:
+    """Graphs by key, sharing one memory pool, with the bucket rules of the module docstring."""
+
+    def __init__(self, pools, *, max_seqs: int, max_pages: int):
+        self.pools, self.device, self.page_size = pools, pools.device, pools.page_size
+        self.max_seqs, self.max_pages = max_seqs, max_pages
+        self.sizes = buckets(max_seqs)
+        self.graphs: dict = {}
+        self.mempool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+
+    def key_for(self, num_seqs: int, rows_per_seq: int, pages: int, is_verify: bool) -> GraphKey | None:
+        """The key a uniform step replays with, or None when it must run eagerly."""
+        if num_seqs > self.max_seqs or pages > self.max_pages:
+            return None
+        bucket = next(b for b in self.sizes if b >= num_seqs)
+        return GraphKey(bucket, rows_per_seq, page_bucket(pages, self.max_pages), is_verify)
+
+    def _padding(self, key: GraphKey, extra_int: dict[str, int], extra_float: dict[str, int]) -> StaticInputs:
+        """Static inputs for ``key``, filled with an all-padding batch (what the capture runs on)."""
+        inputs = StaticInputs({**batch_fields(key), **extra_int}, extra_float, self.device)
+        empty = torch.zeros(0, dtype=torch.long)
+        fill_batch(inputs.begin_fill(), key, starts=empty, slots=empty, tables=empty.view(0, 0), logits_rows=empty,
+                   page_size=self.page_size)
+        inputs.upload()
+        return inputs
+
+
+class TargetGraphs(_KeyedGraphs):
+    """Captured target forwards over the pools (decode, or a verify's forward)."""
+
+    def __init__(self, target, pools, *, max_seqs: int, max_pages: int):
+        super().__init__(pools, max_seqs=max_seqs, max_pages=max_pages)
+        self.target = target
+
+    def run(self, key: GraphKey, token_ids: Tensor, *, starts: Tensor, slots: Tensor, tables: Tensor,
+            logits_rows: Tensor) -> tuple[ForwardBatch, FastOutput]:
+        """One replay for ``len(starts)`` sequences of ``key.rows_per_seq`` rows each (host int64 inputs,
+        ``token_ids [n]`` on the device). Returns the real sequences' batch and outputs: views of static
+        memory, valid until the next replay."""
+        step = self.graphs.get(key) or self._capture(key)
+        host = step.inputs.begin_fill()
+        fill_batch(host, key, starts=starts, slots=slots, tables=tables, logits_rows=logits_rows,
+                   page_size=self.page_size)
+        step.inputs.upload()
+        n, m = token_ids.shape[0], logits_rows.numel()
+        step.tokens[:n].copy_(token_ids)
+        batch, out = step.replay()
+        return real_rows(batch, starts.numel(), n, m), FastOutput(out.logits[:m], out.hidden[:n], out.taps[:n])
+
+    def _capture(self, key: GraphKey) -> CapturedStep:
+        inputs = self._padding(key, {}, {})
+        tokens = torch.zeros(key.num_seqs * key.rows_per_seq, dtype=torch.long, device=self.device)
+
+        def forward(views):
+            batch = batch_view(views, key, tokens)
+            return batch, self.target.forward(batch, self.pools)
+
+        step = CapturedStep(inputs, forward, self.device, self.mempool)
+        step.tokens = tokens
+        self.graphs[key] = step
+        return step
+
+
+REQUEST_INT_FIELDS = ("anchor_tokens", "anchors", "top_k", "seeds", "keep")
+REQUEST_FLOAT_FIELDS = ("temperature", "top_p")
+
+
+class StepGraphs(_KeyedGraphs):
+    """Captured whole speculative steps: ``step_fn(views, key) -> (num_accepted [B], emitted [B, R])``.
+
+    Per-request fields beside the batch: anchor token and position, sampling parameters (temperature,
+    top-k, top-p, seed; padding requests are greedy) and, for benchmarks only, ``keep`` (the drafts a
+    simulated verify keeps).
+    """
+
+    def __init__(self, pools, step_fn: Callable, *, max_seqs: int, max_pages: int):
+        super().__init__(pools, max_seqs=max_seqs, max_pages=max_pages)
+        self.step_fn = step_fn
+
+    def run(self, key: GraphKey, *, anchors: Tensor, slots: Tensor, tables: Tensor, anchor_tokens: Tensor,
+            temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
+        """One replay for ``len(anchors)`` requests (host tensors); returns their ``num_accepted`` and ``emitted``."""
+        step = self.graphs.get(key) or self._capture(key)
+        host = step.inputs.begin_fill()
+        num_seqs = anchors.numel()
+        fill_batch(host, key, starts=anchors, slots=slots, tables=tables,
+                   logits_rows=torch.arange(num_seqs * key.rows_per_seq), page_size=self.page_size)
+        for name, values, pad in (("anchor_tokens", anchor_tokens, 0), ("anchors", anchors, 0), ("top_k", top_k, -1),
+                                  ("seeds", seeds, 0), ("keep", keep, 0), ("temperature", temperature, 0.0),
+                                  ("top_p", top_p, 1.0)):
+            host[name].fill_(pad)
+            host[name][:num_seqs] = values
+        step.inputs.upload()
+        num_accepted, emitted = step.replay()
+        return num_accepted[:num_seqs], emitted[:num_seqs]
+
+    def _capture(self, key: GraphKey) -> CapturedStep:
+        b = key.num_seqs
+        inputs = self._padding(key, {name: b for name in REQUEST_INT_FIELDS},
+                               {name: b for name in REQUEST_FLOAT_FIELDS})
+        host = inputs.begin_fill()
+        host["top_k"].fill_(-1)
+        host["top_p"].fill_(1.0)
+        inputs.upload()
+        step = CapturedStep(inputs, lambda views: self.step_fn(views, key), self.device, self.mempool)
+        self.graphs[key] = step
+        return step

@@ -1,0 +1,60 @@
+"""The CUDA-graph step path (fast/engine/graphs.py) without the capture, on CPU: static buffers, bucket
+padding (3 running requests in a bucket of 4, page tables widened to a power of two), the one-upload fill,
+and the whole speculative step function (propose -> verify forward -> verify -> commit -> observe).
+
+On CPU ``CapturedStep.replay`` runs the step function on the static fields, so everything the graphs
+replay on the GPU runs here except the capture itself (conformance/gpu/test_cuda_graphs.py does that).
+The tokens must be the plain eager engine's, greedy and sampled (same keyed randomness), off / MTP /
+DFlash, dense and MoE.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash2.fast.engine.graphs import StepGraphs, TargetGraphs, buckets, page_bucket
+from dflash2.fast.engine.scheduler import pages_for
+from dflash2.fast.llm import LLM, SamplingParams
+from dflash2.reference.tiny.draft import write_tiny_draft
+from dflash2.reference.tiny.target import write_tiny_target
+
+PROMPTS = [[1, 2, 3], list(range(5, 30)), [9] * 7, list(range(40, 51)), [4, 4]]
+PARAMS = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+          SamplingParams(max_tokens=30, temperature=1.0, top_k=5, seed=4, ignore_eos=True),
+          SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=12, temperature=0.7, seed=5, ignore_eos=True)]
+
+
+@pytest.fixture(scope="module", params=["tiny-dense", "tiny-moe"])
+def stack(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    target = write_tiny_target(root / "target", request.param, tokenizer=None)
+    return target, write_tiny_draft(root / "draft", target)
+
+
+def test_buckets_and_page_widths():
+    assert buckets(1) == [1] and buckets(3) == [1, 2, 3] and buckets(16) == [1, 2, 4, 8, 16]
+    assert page_bucket(3, 100) == 16 and page_bucket(17, 100) == 32 and page_bucket(90, 100) == 100
+
+
+@pytest.mark.parametrize("algorithm", ["none", "mtp", "dflash"])
+def test_the_static_step_path_gives_the_eager_tokens(stack, algorithm):
+    target, draft = stack
+    kwargs = dict(dtype=torch.float32, max_running_req=5, speculative_algorithm=algorithm,
+                  speculative_draft_model_path=draft if algorithm == "dflash" else None)
+    eager = LLM(target, **kwargs).generate(PROMPTS, PARAMS)
+    llm = LLM(target, **kwargs)
+    engine = llm.engine
+    runner = engine.runner
+    max_pages = pages_for(engine.model.max_model_len, engine.config.page_size)
+    runner.graphs = TargetGraphs(runner.target, runner.pools, max_seqs=5, max_pages=max_pages)
+    if algorithm != "none":
+        runner.step_graphs = StepGraphs(runner.pools, runner.verify_step_fn, max_seqs=5, max_pages=max_pages)
+    static = llm.generate(PROMPTS, PARAMS)
+    used = runner.graphs.graphs if algorithm == "none" else runner.step_graphs.graphs
+    assert used, "no step went through the static path"
+    assert any(key.num_seqs == 4 for key in used)  # a bucket was padded (3 running requests -> 4)
+    for a, b in zip(static, eager):
+        assert a.error is None and a.token_ids == b.token_ids
