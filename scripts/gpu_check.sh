@@ -6,15 +6,20 @@
 #        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #          --platform manylinux_2_28_x86_64 -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0
 #   3. run the conformance suite on CUDA (fp32 and bf16 variants live in the tests);
-#   4. run the engine benchmark;
-#   5. print a short summary table last.
-# Results land in $OUT (the device tool brings them back); record them under bench/results/.
+#   4. run the kernel micro-benchmarks (bench/kernels/bench_*.py), each beside its floor;
+#   5. run `ft bench` at the real shapes (bench/shapes/, --load-format dummy) over BENCH_RUNS
+#      (setting:concurrency:prompt_len,...; the default below covers the issue's figures), with
+#      BENCH_SIM tokens per step simulated (timing only); BENCH_SHAPES, BENCH_TOKENS, BENCH_FLAGS change it;
+#   6. print a short summary table last.
+# SKIP_CONFORMANCE=1 / SKIP_KERNELS=1 / SKIP_BENCH=1 skip a stage. Results land in $OUT (the device tool
+# brings them back); record them under bench/results/.
 set -uo pipefail
 repo=$(pwd)
 out=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$out" /tmp/pkg/dflash2
 ln -sfn "$repo/reference" /tmp/pkg/dflash2/reference
 ln -sfn "$repo/fast" /tmp/pkg/dflash2/fast
+ln -sfn "$repo/bench" /tmp/pkg/dflash2/bench
 export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -24,22 +29,44 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpu.txt"
 
-start=$(date +%s)
-python3 -m pytest -q -p no:cacheprovider conformance ${PYTEST_ARGS:-} 2>&1 | tee "$out/conformance.log"
-conf_rc=${PIPESTATUS[0]}
-conf_s=$(( $(date +%s) - start ))
+conf_rc=0 conf_s=0
+if [ -z "${SKIP_CONFORMANCE:-}" ]; then
+  start=$(date +%s)
+  python3 -m pytest -q -p no:cacheprovider conformance ${PYTEST_ARGS:-} 2>&1 | tee "$out/conformance.log"
+  conf_rc=${PIPESTATUS[0]}
+  conf_s=$(( $(date +%s) - start ))
+fi
+
+kernels_rc=0
+if [ -z "${SKIP_KERNELS:-}" ]; then
+  for script in bench/kernels/bench_*.py; do
+    [ -f "$script" ] || continue
+    name=$(basename "$script" .py)
+    python3 "$script" --out "$out/$name.json" 2>&1 | tee "$out/$name.log" || kernels_rc=1
+  done
+fi
 
 bench_rc=0
+default_runs=off:1:512,off:1:4096,mtp3:1:4096,mtp7:1:4096,dflash3:1:4096,dflash7:1:4096,dflash7:1:512
+default_runs=$default_runs,off:4:512,dflash7:4:512,off:16:512,dflash7:16:512
 if [ -z "${SKIP_BENCH:-}" ]; then
-  python3 bench/bench_engine.py --out "$out/bench.json" 2>&1 | tee "$out/bench.log"
-  bench_rc=${PIPESTATUS[0]}
+  for shape in ${BENCH_SHAPES:-qwen3.5-35b-a3b qwen3.5-27b}; do
+    python3 -m dflash2.fast bench --model "bench/shapes/$shape" --draft "bench/shapes/$shape-dflash2" \
+      --load-format dummy --runs "${BENCH_RUNS:-$default_runs}" \
+      --max-tokens "${BENCH_TOKENS:-64}" ${BENCH_SIM:+--simulate-tokens-per-step "$BENCH_SIM"} ${BENCH_FLAGS:-} \
+      --out "$out/bench-$shape" 2>&1 | tee "$out/bench-$shape.log" || bench_rc=1
+  done
 fi
 
 echo
 echo "== summary =="
 printf "%-28s %s\n" "gpu" "$(head -1 "$out/gpu.txt")"
-printf "%-28s %s\n" "conformance (rc, seconds)" "$conf_rc, $conf_s"
-printf "%-28s %s\n" "conformance result" "$(tail -1 "$out/conformance.log")"
-printf "%-28s %s\n" "bench rc" "$bench_rc"
-[ -f "$out/bench.json" ] && python3 bench/bench_engine.py --summarize "$out/bench.json"
-exit $(( conf_rc != 0 || bench_rc != 0 ))
+[ -z "${SKIP_CONFORMANCE:-}" ] && printf "%-28s %s\n" "conformance (rc, seconds)" "$conf_rc, $conf_s" \
+  && printf "%-28s %s\n" "conformance result" "$(tail -1 "$out/conformance.log")"
+printf "%-28s %s\n" "kernel benches rc" "$kernels_rc"
+for f in "$out"/bench_*.log; do [ -f "$f" ] && { echo "-- $(basename "$f" .log)"; tail -12 "$f"; }; done
+printf "%-28s %s\n" "ft bench rc" "$bench_rc"
+for d in "$out"/bench-*/; do
+  [ -f "$d/bench.md" ] && { echo "-- $(basename "$d")"; grep '^|' "$d/bench.md" | cut -c1-160; }
+done
+exit $(( conf_rc != 0 || kernels_rc != 0 || bench_rc != 0 ))

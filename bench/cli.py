@@ -1,0 +1,88 @@
+"""The ``ft bench`` command line (bench/run.py does the work)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from dflash2.reference.formats.errors import UserInputError
+
+SETTING_NAMES = ("off", "mtp3", "mtp7", "dflash3", "dflash7")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
+    return values
+
+
+def _settings(text: str) -> list[str]:
+    values = [v for v in text.split(",") if v]
+    bad = [v for v in values if v not in SETTING_NAMES]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated subset of {','.join(SETTING_NAMES)}")
+    return values
+
+
+def _runs(text: str) -> list[tuple[str, int, int]]:
+    runs = []
+    for item in (v for v in text.split(",") if v):
+        parts = item.split(":")
+        if len(parts) != 3 or parts[0] not in SETTING_NAMES or not all(x.isdigit() and int(x) > 0 for x in parts[1:]):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected setting:concurrency:prompt_len, e.g. dflash7:1:4096 "
+                                             f"(settings {','.join(SETTING_NAMES)})")
+        runs.append((parts[0], int(parts[1]), int(parts[2])))
+    if not runs:
+        raise argparse.ArgumentTypeError("--runs: expected at least one setting:concurrency:prompt_len")
+    return runs
+
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="time decoding and per-step costs beside their floors (code in bench/)")
+    p.add_argument("--model", required=True, help="target folder (config.json; safetensors unless --load-format dummy)")
+    p.add_argument("--draft", default=None, help="DFlash 2 draft folder (needed by the dflash settings)")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="dummy: random weights at the config's shape, built on the device (timing only)")
+    p.add_argument("--settings", type=_settings, default=list(SETTING_NAMES), help="comma-separated (default: all)")
+    p.add_argument("--concurrency", type=_int_list, default=[1, 4, 16], help="requests at once (default: 1,4,16)")
+    p.add_argument("--prompt-lens", type=_int_list, default=[512, 4096], help="prompt tokens (default: 512,4096)")
+    p.add_argument("--runs", type=_runs, default=None,
+                   help="explicit runs setting:concurrency:prompt_len,... instead of the cross product of the three lists")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default: 128)")
+    p.add_argument("--simulate-tokens-per-step", type=float, default=None,
+                   help="TIMING ONLY: verify keeps drafts so the mean committed tokens per step is this "
+                        "(e.g. the seed's 5.47); random weights accept nothing")
+    p.add_argument("--out", default=None, help="results folder (default: bench/results/<date>-<gpu>)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--profile", action="store_true", help="add each run's top kernels by GPU time (torch profiler)")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from .run import SETTINGS, BenchArgs, main
+
+    runs = args.runs or [(s, c, n) for n in args.prompt_lens for c in args.concurrency for s in args.settings]
+    if any(SETTINGS[s][0] == "dflash" for s, _, _ in runs) and not args.draft:
+        raise UserInputError(f"settings={','.join(sorted({s for s, _, _ in runs}))}: the dflash settings need --draft "
+                             "(a DFlash 2 draft folder)")
+    if args.simulate_tokens_per_step is not None and not 1.0 <= args.simulate_tokens_per_step <= 8.0:
+        raise UserInputError(f"simulate_tokens_per_step={args.simulate_tokens_per_step}: expected 1 .. k+1")
+    if args.max_tokens < 2:
+        raise UserInputError(f"max_tokens={args.max_tokens}: expected an integer >= 2")
+    gpu = torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
+    out = Path(args.out) if args.out else Path("bench/results") / f"{time.strftime('%Y-%m-%d')}-{gpu}"
+    bench_args = BenchArgs(model=args.model, draft=args.draft, load_format=args.load_format, runs=runs,
+                           max_tokens=args.max_tokens,
+                           simulate_tokens_per_step=args.simulate_tokens_per_step, out_dir=out,
+                           command="ft " + " ".join(sys.argv[1:]), profile=args.profile,
+                           extra={"enforce_eager": args.enforce_eager})
+    return main(bench_args)

@@ -1,0 +1,91 @@
+"""``ft bench`` output: ``bench.json`` (every figure), ``bench.md`` (the table, with the command) and
+``acceptance.png`` (acceptance by draft position per speculative setting), in one results folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(result: dict) -> str:
+    sim = result.get("simulated_tokens_per_step")
+    lines = [
+        f"# ft bench: {result['model']} ({result['load_format']} weights)",
+        "",
+        f"- date {result['date']}, device {result['device']}, torch {result['torch']}, git {result['git']}",
+        f"- copy bandwidth measured in this run: {result['copy_bandwidth_GBps']:.0f} GB/s (read + write)",
+        f"- shape: hidden {result['shape']['hidden_size']}, {result['shape']['num_hidden_layers']} layers, "
+        f"V = {result['shape']['vocab_size']}, {'MoE' if result['shape']['is_moe'] else 'dense'}",
+        f"- command: `{result['command']}`",
+    ]
+    if sim is not None:
+        lines.append(f"- **simulated acceptance (timing only)**: each verify keeps drafts so that the mean is "
+                     f"{sim} committed tokens per step; random weights accept nothing on their own")
+    lines += ["", "Step: median host wall time of the decode (off) or verify step, each ending on its one "
+              "device read; floor: the bytes the step must move over the measured bandwidth (bench/floors.py).",
+              "", "| setting | conc | prompt | step | step ms | floor ms | floor/step | draft ms | tok/step | "
+              "tok/s | prefill s | KV tokens | draft params | ring+window MiB/slot | workspace MiB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        slot_mib = (r["ring_bytes_per_slot"] + r["window_bytes_per_slot"]) / 2**20
+        lines.append(
+            f"| {r['setting']} | {r['concurrency']} | {r['prompt_len']} | {r['step']} | {_fmt(r['step_ms_median'], '.2f')} "
+            f"| {r['floor_ms']:.2f} | {_fmt(r['floor_fraction'], '.0%')} | {_fmt(r.get('draft_ms'), '.2f')} "
+            f"| {_fmt(r['tokens_per_step'], '.2f')} | {_fmt(r['tokens_per_s'], '.1f')} | {r['prefill_s']:.2f} "
+            f"| {r['kv_tokens']} | {r['draft_params'] / 1e6:.0f}M | {slot_mib:.0f} "
+            f"| {r.get('workspace_bytes', 0) / 2**20:.0f} |")
+    for r in result["runs"]:
+        prof = r.get("profile")
+        if prof:
+            lines += ["", f"Profile of a 16-token generate, {r['setting']} c={r['concurrency']} p={r['prompt_len']}: "
+                      f"{prof['total_gpu_ms']:.1f} ms of GPU time", "", "| kernel | calls | GPU ms | share |",
+                      "|---|---|---|---|"]
+            lines += [f"| `{k['name']}` | {k['calls']} | {k['gpu_ms']:.2f} | {k['share']:.1%} |" for k in prof["kernels"]]
+    if result.get("verify_kernel_us"):
+        lines += ["", "Sparse-q verify with target probabilities (top-k 20, top-p 0.95, T = 1, V = "
+                  f"{result['shape']['vocab_size']}), CUDA events, median:", ""]
+        lines += [f"- {key}: {us:.0f} us" for key, us in result["verify_kernel_us"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot_acceptance(result: dict, path: Path) -> bool:
+    """One line per speculative setting: P(draft i accepted) against i. False where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in result["runs"]:
+        curve = r.get("acceptance_by_position") or []
+        if curve:
+            ax.plot(range(1, len(curve) + 1), curve, marker="o",
+                    label=f"{r['setting']} c={r['concurrency']} p={r['prompt_len']}")
+    title = "acceptance by draft position"
+    if result.get("simulated_tokens_per_step") is not None:
+        title += f" (SIMULATED: {result['simulated_tokens_per_step']} tokens/step, timing only)"
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("P(draft i accepted)")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_report(result: dict, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out_dir / "bench.md").write_text(markdown(result))
+    plotted = plot_acceptance(result, out_dir / "acceptance.png")
+    print(markdown(result))
+    if not plotted:
+        print("(matplotlib is not installed: no acceptance.png)")

@@ -1,0 +1,298 @@
+"""``ft bench``: end-to-end decoding through ``LLM.generate`` and per-step costs beside their floors.
+
+For each setting (off, mtp k, dflash k), each concurrency and each prompt length, one engine is
+built (``--load-format dummy`` builds any real shape from its config.json), warmed up with the
+exact run it will time (so every CUDA graph is captured and every kernel compiled), then timed:
+
+- decode / verify step: host wall time of each ``ModelRunner.decode`` / ``verify`` call, which
+  ends on the step's one device-to-host read, so it includes the host's own work; median of the
+  run's steps;
+- draft forward: CUDA events around a CUDA-graph replay of the proposer's ``propose`` for the run's
+  requests, as the step graph runs it (DFlash: the draft forward and the selector walk; MTP: the k
+  chained head steps);
+- sparse-q verify kernel: CUDA-graph replays of ``verify_ragged`` on random logits [B, k+1, V] with
+  top-k 20, top-p 0.95, temperature 1 (the seed's 646 us figure: 4 requests, k = 7, graph replay);
+- tokens/s: the tokens of all requests' decode or verify steps over those steps' wall time (the
+  prefill, which yields each request's first token, is reported apart), and tokens per step.
+
+Random weights accept no drafts. ``--simulate-tokens-per-step T`` (timing only, labelled in every
+output) makes each verify keep drafts so the mean committed tokens per step is T (the seed's
+measured 5.47 on 27B, 5.39 on 35B-A3B), so the end-to-end tokens/s of a trained pair at that
+acceptance can be set beside plain decoding; it never reaches a serving path.
+
+Floors (bench/floors.py) are computed from the config and the copy bandwidth measured in the run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dflash2.fast.engine.sampler import verify_ragged
+from dflash2.fast.kernels.sampler import SamplingTensors
+from dflash2.fast.llm import LLM, SamplingParams
+from dflash2.reference.formats.config import load_target_config
+from dflash2.reference.formats.draft_config import load_draft_config
+
+from .floors import copy_bandwidth, dflash_draft_bytes, mtp_draft_bytes, target_step_bytes
+
+SETTINGS = {"off": ("none", None), "mtp3": ("mtp", 3), "mtp7": ("mtp", 7), "dflash3": ("dflash", 3),
+            "dflash7": ("dflash", 7)}
+
+
+@dataclass
+class BenchArgs:
+    model: str
+    draft: str | None
+    load_format: str
+    runs: list[tuple[str, int, int]]  # (setting, concurrency, prompt_len)
+    max_tokens: int
+    simulate_tokens_per_step: float | None
+    out_dir: Path
+    seed: int = 0
+    command: str = ""
+    profile: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class StepClock:
+    """Wraps a runner's step methods and records each call's host wall time (each ends on a device read)."""
+
+    def __init__(self, runner):
+        self.runner, self.times = runner, {"decode": [], "verify": [], "prefill": []}
+        self.accepted: list[int] = []  # drafts kept, per request and verify step
+        for kind in self.times:
+            setattr(runner, kind, self._timed(kind, getattr(runner, kind)))
+
+    def _timed(self, kind, fn):
+        def call(plan, *args, **kwargs):
+            start = time.perf_counter()
+            result = fn(plan, *args, **kwargs)
+            self.times[kind].append(time.perf_counter() - start)
+            if kind == "verify":
+                self.accepted += [r.num_accepted for r in result]
+            return result
+        return call
+
+    def reset(self):
+        for values in self.times.values():
+            values.clear()
+        self.accepted.clear()
+
+    def acceptance_by_position(self, k: int) -> list[float]:
+        """P(draft i accepted) for i = 1..k: the fraction of verify rows that kept at least i drafts."""
+        n = max(len(self.accepted), 1)
+        return [sum(a >= i for a in self.accepted) / n for i in range(1, k + 1)]
+
+
+class SimulatedAcceptance:
+    """Drafts kept per verify step so the running mean of committed tokens per step tracks ``target``.
+
+    Step j keeps floor((j+1)(T-1)) - floor(j(T-1)) drafts (T-1 kept on average, one more emitted)."""
+
+    def __init__(self, tokens_per_step: float):
+        self.mean_kept, self.step = tokens_per_step - 1.0, 0
+
+    def __call__(self) -> int:
+        j, m = self.step, self.mean_kept
+        self.step += 1
+        return math.floor((j + 1) * m + 1e-9) - math.floor(j * m + 1e-9)
+
+
+def cuda_time(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` between CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def graph_seconds(fn, reps: int = 20) -> float:
+    """CUDA-event median of CUDA-graph replays of ``fn`` (warmed up on a side stream, then captured)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_time(graph.replay, reps=reps)
+
+
+def verify_kernel_seconds(vocab: int, num_seqs: int, k: int, device: torch.device) -> float:
+    """The sparse-q verify with target probabilities (top-k 20, top-p 0.95, T = 1) on random logits."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(num_seqs, k + 1, vocab, device=device, generator=gen) * 3
+    drafts = torch.randint(0, vocab, (num_seqs, k), device=device, generator=gen)
+    cand = torch.randint(0, vocab, (num_seqs, k, 16), device=device, generator=gen)
+    cand[..., 0] = drafts
+    probs = torch.softmax(torch.randn(num_seqs, k, 16, device=device, generator=gen), dim=-1)
+    st = SamplingTensors.from_params([SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=i)
+                                      for i in range(num_seqs)], device=device)
+    anchors = torch.full((num_seqs,), 100, dtype=torch.long, device=device)
+    return graph_seconds(lambda: verify_ragged(logits, drafts, cand, probs, [k] * num_seqs, st, anchors))
+
+
+def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, bandwidth: float) -> dict:
+    algorithm, k = SETTINGS[setting]
+    llm = LLM(args.model, max_running_req=concurrency, load_format=args.load_format, seed=args.seed,
+              speculative_algorithm=algorithm, speculative_num_steps=k,
+              speculative_draft_model_path=args.draft if algorithm == "dflash" else None,
+              max_model_len=prompt_len + args.max_tokens + 64, **args.extra)
+    engine = llm.engine
+    runner, model = engine.runner, engine.model
+    if args.simulate_tokens_per_step is not None and algorithm != "none":
+        runner.simulated_accept = SimulatedAcceptance(args.simulate_tokens_per_step)
+    clock = StepClock(runner)
+    gen = torch.Generator().manual_seed(prompt_len * 1000 + concurrency)
+    vocab = model.target_cfg.vocab_size
+    prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(concurrency)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, params)  # warm-up: the same shapes, so graphs and kernels are ready
+    clock.reset()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync()
+    wall = time.perf_counter() - start
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"{setting}: {errors[0]}")
+    step_kind = "verify" if algorithm != "none" else "decode"
+    step_times = clock.times[step_kind]
+    prefill_s = sum(clock.times["prefill"])
+    decode_s = sum(step_times)
+    tokens = sum(len(o.token_ids) for o in outs) - concurrency  # the first token of each comes from its prefill
+    steps = len(step_times)
+    cfg = model.target_cfg
+    itemsize = torch.empty((), dtype=model.config.torch_dtype).element_size()
+    context = prompt_len + args.max_tokens // 2
+    rows = 1 + (k or 0)
+    floor_bytes = target_step_bytes(cfg, itemsize, num_seqs=concurrency, rows_per_seq=rows, context=context).total
+    draft_params = 0
+    if algorithm == "mtp":
+        floor_bytes += mtp_draft_bytes(cfg, itemsize, num_seqs=concurrency, k=k)
+    elif algorithm == "dflash":
+        draft_cfg = load_draft_config(args.draft, cfg)
+        floor_bytes += dflash_draft_bytes(draft_cfg, cfg, itemsize)
+        draft_params = sum(t.numel() for t in model.proposer.proposer.draft.w.values())
+    row = {
+        "setting": setting, "algorithm": algorithm, "k": k, "concurrency": concurrency, "prompt_len": prompt_len,
+        "max_tokens": args.max_tokens, "simulated_tokens_per_step": args.simulate_tokens_per_step
+        if algorithm != "none" else None,
+        "step": step_kind, "steps": steps, "step_ms_median": 1e3 * statistics.median(step_times) if steps else None,
+        "step_ms_mean": 1e3 * decode_s / steps if steps else None,
+        "floor_ms": 1e3 * floor_bytes / bandwidth, "tokens_per_s": tokens / decode_s if decode_s else None,
+        "tokens_per_step": tokens / (steps * concurrency) if steps else None, "prefill_s": prefill_s, "wall_s": wall,
+        "kv_tokens": model.memory.kv_tokens, "draft_params": draft_params,
+        "workspace_bytes": model.memory.workspace_bytes,
+        "ring_bytes_per_slot": 0, "window_bytes_per_slot": 0, "graphs": runner.graphs is not None,
+        "acceptance_by_position": clock.acceptance_by_position(k) if k else [],
+    }
+    row["floor_fraction"] = row["floor_ms"] / row["step_ms_median"] if steps else None
+    if algorithm == "dflash":
+        from dflash2.fast.engine.memory import dflash_slot_bytes
+        row["ring_bytes_per_slot"], row["window_bytes_per_slot"] = dflash_slot_bytes(draft_cfg, model.config.torch_dtype)
+    if algorithm != "none" and torch.cuda.is_available():
+        row["draft_ms"] = 1e3 * draft_seconds(engine, concurrency, prompt_len, k)
+    if args.profile and torch.cuda.is_available():
+        row["profile"] = kernel_shares(llm, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    del llm, engine, runner, model, clock
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def kernel_shares(llm, prompts, params, top: int = 15) -> dict:
+    """Where a short generate's GPU time goes: the ``top`` kernels by total CUDA time, with their share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    ranked = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    return {"total_gpu_ms": total / 1e3,
+            "kernels": [{"name": e.key[:90], "calls": e.count, "gpu_ms": e.self_device_time_total / 1e3,
+                         "share": e.self_device_time_total / total} for e in ranked]}
+
+
+def draft_seconds(engine, concurrency: int, anchor: int, k: int) -> float:
+    """One batched propose for ``concurrency`` requests at ``anchor`` (rings as the run left them), replayed
+    from a CUDA graph as the engine's step graph runs it: CUDA-event median of the replays."""
+    runner = engine.runner
+    device = runner.device
+    tokens = torch.ones(concurrency, dtype=torch.long, device=device)
+    anchors = torch.full((concurrency,), anchor, dtype=torch.long, device=device)
+    slots = torch.arange(concurrency, dtype=torch.long, device=device)
+    page_size = engine.config.page_size
+    width = (anchor + k + 1) // page_size + 1  # MTP writes its chain's K/V through these pages
+    tables = torch.arange(concurrency * width, dtype=torch.int32, device=device).view(concurrency, width) \
+        % engine.model.memory.num_pages
+    st = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * concurrency, device=device)
+
+    return graph_seconds(lambda: runner.proposer.propose(tokens, anchors, slots, tables, k, st))
+
+
+def run(args: BenchArgs) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else float("nan")
+    cfg = load_target_config(args.model)
+    result = {
+        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "command": args.command, "model": args.model, "draft": args.draft,
+        "load_format": args.load_format, "copy_bandwidth_GBps": bandwidth / 1e9,
+        "shape": {"hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+                  "vocab_size": cfg.vocab_size, "is_moe": cfg.is_moe},
+        "git": _git_rev(), "simulated_tokens_per_step": args.simulate_tokens_per_step, "runs": [],
+    }
+    if device.type == "cuda":
+        ks = sorted({SETTINGS[s][1] for s, _, _ in args.runs if SETTINGS[s][1]})
+        result["verify_kernel_us"] = {f"B={b},k={k}": 1e6 * verify_kernel_seconds(cfg.vocab_size, b, k, device)
+                                      for b in (1, 4, 16) for k in ks or [7]}
+    for setting, concurrency, prompt_len in args.runs:
+        row = run_one(args, setting, concurrency, prompt_len, bandwidth)
+        result["runs"].append(row)
+        print(json.dumps(row), flush=True)
+    return result
+
+
+def _git_rev() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main(args: BenchArgs) -> int:
+    from .report import write_report
+
+    result = run(args)
+    write_report(result, args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run it as: ft bench ...")

@@ -1,0 +1,71 @@
+"""``ft bench`` end to end on a tiny dummy model (CPU): every setting runs, the report files are written,
+the simulated acceptance gives exactly the asked tokens per step, and bad flags exit 2 naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash2.bench.run import SimulatedAcceptance
+from dflash2.fast.cli import main
+from dflash2.reference.tiny.draft import write_tiny_draft
+from dflash2.reference.tiny.target import write_tiny_target
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    target = write_tiny_target(root / "target", "tiny-moe", tokenizer=None)
+    draft = write_tiny_draft(root / "draft", target)
+    return target, draft
+
+
+def test_simulated_acceptance_tracks_the_mean():
+    sim = SimulatedAcceptance(5.47)
+    kept = [sim() for _ in range(100)]
+    assert set(kept) <= {4, 5} and sum(kept) == 447  # 4.47 drafts kept per step, 5.47 tokens committed
+
+
+def test_ft_bench_runs_every_setting_and_writes_its_report(tiny, tmp_path):
+    target, draft = tiny
+    out = tmp_path / "results"
+    code = main(["bench", "--model", str(target), "--draft", str(draft), "--load-format", "dummy",
+                 "--concurrency", "2", "--prompt-lens", "9", "--max-tokens", "10",
+                 "--simulate-tokens-per-step", "3", "--out", str(out)])
+    assert code == 0
+    result = json.loads((out / "bench.json").read_text())
+    runs = {r["setting"]: r for r in result["runs"]}
+    assert set(runs) == {"off", "mtp3", "mtp7", "dflash3", "dflash7"}
+    assert runs["off"]["tokens_per_step"] == 1.0 and runs["off"]["simulated_tokens_per_step"] is None
+    for name in ("mtp3", "mtp7", "dflash3", "dflash7"):
+        r = runs[name]
+        assert r["steps"] >= 3 and r["step"] == "verify"
+        assert r["acceptance_by_position"][0] == pytest.approx(1.0)  # 2 drafts kept per step
+        assert r["acceptance_by_position"][2] == 0.0
+    assert runs["dflash7"]["draft_params"] > 0 and runs["dflash7"]["ring_bytes_per_slot"] > 0
+    text = (out / "bench.md").read_text()
+    assert "simulated acceptance (timing only)" in text and "| dflash7 | 2 | 9 | verify |" in text
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--settings", "dflash7"], "need --draft"),
+    (["--settings", "off", "--simulate-tokens-per-step", "9"], "simulate_tokens_per_step"),
+    (["--settings", "off", "--max-tokens", "1"], "max_tokens"),
+])
+def test_bad_bench_flags_exit_2(tiny, capsys, flags, field):
+    target, _ = tiny
+    assert main(["bench", "--model", str(target), "--load-format", "dummy", *flags]) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_explicit_runs_replace_the_cross_product(tiny, tmp_path):
+    target, draft = tiny
+    out = tmp_path / "runs"
+    assert main(["bench", "--model", str(target), "--draft", str(draft), "--load-format", "dummy",
+                 "--runs", "off:1:9,dflash7:2:5", "--max-tokens", "6", "--out", str(out)]) == 0
+    runs = json.loads((out / "bench.json").read_text())["runs"]
+    assert [(r["setting"], r["concurrency"], r["prompt_len"]) for r in runs] == [("off", 1, 9), ("dflash7", 2, 5)]
+    with pytest.raises(SystemExit) as exc:  # argparse's own usage error
+        main(["bench", "--model", str(target), "--runs", "dflash9:1:4"])
+    assert exc.value.code == 2
