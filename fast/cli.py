@@ -2,6 +2,8 @@
 
 ``ft generate``  decode one prompt on the fast engine (``--engine reference`` runs the fp32
                  executable spec instead; the flags, ``--json`` and ``--trace`` are the same);
+``ft serve``     an OpenAI-compatible server on the fast engine (``fast/serve/``), with the engine
+                 and speculative flags of ``ft generate``;
 ``ft make-tiny`` write a tiny random checkpoint in real HF format (tests, demos).
 
 User errors (bad paths, configs, checkpoints, sampling parameters) print one line to stderr and
@@ -62,6 +64,29 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", default=None, help="write one JSON line per verify step to this file")
     add_engine_args(p.add_argument_group("fast engine (EngineConfig)"))
     p.set_defaults(func=_run_generate)
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI API (chat and text completions) on the fast engine")
+    p.add_argument("--model", default=None, help="target checkpoint folder (HF format)")
+    p.add_argument("--speculative-algorithm", choices=ALGORITHMS, default="none")
+    p.add_argument("--speculative-draft-model-path", default=None, help="DFlash 2 draft checkpoint folder")
+    p.add_argument("--speculative-num-steps", type=int, default=None,
+                   help="drafts per verify step k (default: block_size - 1 for dflash, 3 for mtp)")
+    engine = p.add_argument_group("fast engine (EngineConfig)")
+    add_engine_args(engine)
+    engine.add_argument("--max-running-requests", dest="max_running_req", type=int, default=argparse.SUPPRESS,
+                        help="the same as --max-running-req")
+    from .serve.server import add_serve_args  # argparse only: fastapi and uvicorn load when serving
+
+    add_serve_args(p.add_argument_group("server"))
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from .serve.server import run_serve
+
+    return run_serve(args)
 
 
 def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
@@ -201,7 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ft", description="dflash2: DFlash 2 speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     _add_make_tiny(sub)
+    from dflash2.bench.cli import add_bench  # the benchmark lives in bench/ (dflash2.bench)
+
+    add_bench(sub)
     return parser
 
 
