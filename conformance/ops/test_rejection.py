@@ -1,25 +1,29 @@
 """fast/kernels/rejection.py vs reference/speculative/verify.py: num_accepted and emitted tokens EXACT (away from
-acceptance-test and CDF near-ties), over greedy and sampled requests, untrusted q rows (NaN, inf,
-negative, zero total, draft outside the candidates), one-hot q, wrong totals, odd V and K, k = 1..7."""
+acceptance-test, CDF and top-p near ties), over greedy and sampled requests, untrusted q rows (NaN, inf,
+negative, zero total, draft outside the candidates), one-hot q, wrong totals, odd V and K, k = 1..7; target rows
+at the filter's edges (ties at the k-th logit, top-p inside a tie group, -inf, all equal) under launch shapes that
+run the cut finder's bisection and finisher; a batch of greedy requests on its argmax-only path."""
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
 import pytest
 import torch
 from ops_helpers import pick
+from test_sampler import CONFIGS, stress_rows, top_p_margin
 
 from dflash2.fast.kernels import rejection
 from dflash2.fast.kernels.rejection import EMPTY, verify_torch, verify_triton
-from dflash2.fast.kernels.sampler import SamplingTensors
+from dflash2.fast.kernels.sampler import HostSummary, SamplingTensors
 from dflash2.reference.request.rng import Purpose, uniform
 from dflash2.reference.speculative.sampling import target_probs
 from dflash2.reference.request.sampling_params import SamplingParams
 from dflash2.reference.speculative.verify import draft_row_on_vocab, residual_probs, verify_greedy, verify_sampled_keyed
 
-NEAR_TIE = 1e-5
+NEAR_TIE = 1e-5  # acceptance tests, CDF steps and top-p cuts alike (docs/tolerances.md)
 BAD_ROWS = ("nan", "inf", "negative", "zero", "outside", "one_hot", "total_x3", "total_half")
 
 
@@ -83,7 +87,9 @@ def reference_result(case: Case, b: int) -> tuple[int, list[int], float]:
         return r.num_accepted, r.emitted, 1.0
     probs = torch.stack([target_probs(row, p) for row in case.logits[b]])
     r = verify_sampled_keyed(case.drafts[b], case.cand_ids[b], case.draft_probs[b], probs, p.seed, int(case.anchors[b]))
-    vocab, margin, s = probs.shape[-1], 1.0, int(case.anchors[b])
+    vocab, s = probs.shape[-1], int(case.anchors[b])
+    # every row up to the final draw's decides something: its top-p cut must not be a near tie either
+    margin = min(top_p_margin(case.logits[b, i], p) for i in range(min(r.num_accepted, len(case.drafts[b])) + 1))
     weights, u = probs[-1].double(), uniform(p.seed, s, Purpose.BONUS)
     for i in range(min(r.num_accepted + 1, case.drafts.shape[1])):
         y = int(case.drafts[b, i])
@@ -101,12 +107,12 @@ def reference_result(case: Case, b: int) -> tuple[int, list[int], float]:
     return r.num_accepted, r.emitted, margin
 
 
-def check_verify(fn, case: Case, device: str) -> int:
+def check_verify(fn, case: Case, device: str, st: SamplingTensors | None = None) -> int:
     """Assert EXACT agreement on every request away from near-ties; return how many were checked."""
     k = case.drafts.shape[1]
-    num_accepted, emitted = fn(case.logits.to(device), SamplingTensors.from_params(case.params, device),
-                               case.drafts.to(device), case.cand_ids.to(device), case.draft_probs.to(device),
-                               case.anchors.to(device))
+    st = st if st is not None else SamplingTensors.from_params(case.params, device)
+    num_accepted, emitted = fn(case.logits.to(device), st, case.drafts.to(device), case.cand_ids.to(device),
+                               case.draft_probs.to(device), case.anchors.to(device))
     num_accepted, emitted = num_accepted.cpu(), emitted.cpu()
     checked = 0
     for b in range(len(case.params)):
@@ -130,6 +136,54 @@ def test_verify_matches_reference(impl_device, k, ksel, vocab):
     case = make_case(batch=batch, k=k, ksel=ksel, vocab=vocab, seed=100 * k + ksel)
     checked = check_verify(pick(impl, verify_torch, verify_triton), case, device)
     assert checked >= len(case.params) - 2
+
+
+def stress_case(k: int = 2, ksel: int = 4, seed: int = 17) -> Case:
+    """``make_case``'s drafts over target rows at the filter's edges: request b's k + 1 rows are stress rows
+    b, b+1, .. (mod their count) under stress row b's parameters with a fresh seed; greedy and sampled mixed."""
+    rows = stress_rows()
+    base = make_case(batch=len(rows), k=k, ksel=ksel, vocab=rows[0][1].numel(), seed=seed)
+    logits = torch.stack([torch.stack([rows[(b + i) % len(rows)][1] for i in range(k + 1)]) for b in range(len(rows))])
+    params = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=1000 + b)
+              for b, (_, _, p) in enumerate(rows)]
+    # the drafts' candidates include each row's target argmax; every other sampled request drafts it
+    cand_ids = base.cand_ids.clone()
+    cand_ids[..., 0] = logits[:, :k].argmax(dim=-1)
+    drafts = torch.where(torch.arange(len(rows))[:, None] % 2 == 0, cand_ids[..., 0], base.drafts)
+    for b, p in enumerate(params):
+        if p.greedy:  # the argmax prefix, broken at slot b % (k + 1)
+            drafts[b] = logits[b, :k].argmax(dim=-1)
+            if b % (k + 1) < k:
+                drafts[b, b % (k + 1)] = (drafts[b, b % (k + 1)] + 1) % logits.shape[-1]
+    return Case(params, logits, drafts, cand_ids, base.draft_probs, base.anchors)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+def test_verify_stress_rows(impl_device, config):
+    impl, device = impl_device
+    if impl == "torch" and config != "default":
+        pytest.skip("launch shapes are the Triton path's")
+    case = stress_case()
+    fn = pick(impl, verify_torch, functools.partial(verify_triton, config=CONFIGS[config]))
+    assert check_verify(fn, case, device) >= len(case.params) - 3
+    if impl == "triton" and config == "default":  # unknown parameters: every launch runs, the same tokens
+        st = SamplingTensors.from_params(case.params, device)
+        check_verify(fn, case, device, SamplingTensors(st.temperature, st.top_k, st.top_p, st.seeds))
+
+
+def test_verify_greedy_batch(impl_device):
+    """Every request greedy: the argmax-only path (no filter), ties to the lowest id."""
+    impl, device = impl_device
+    case = make_case(batch=12, k=4, ksel=3, vocab=37, seed=71)
+    case.params = [SamplingParams(temperature=0.0, seed=b) for b in range(12)]
+    case.logits[::3, :, 5] = case.logits[::3, :, 9] = case.logits[::3].max(dim=-1).values + 1.0  # tied maxima
+    for b in range(12):
+        case.drafts[b] = case.logits[b, :4].argmax(dim=-1)
+        if b % 5 < 4:
+            case.drafts[b, b % 5] = (case.drafts[b, b % 5] + 1) % 37
+    st = SamplingTensors.from_params(case.params, device)
+    assert st.host == HostSummary(False, False, False, -1)
+    assert check_verify(pick(impl, verify_torch, verify_triton), case, device, st) == 12
 
 
 def test_cases_cover_acceptance_and_every_row_kind():

@@ -58,8 +58,7 @@ def verify_ragged(logits: Tensor, draft_tokens: Tensor, cand_ids: Tensor, draft_
             index = slice(None)
         else:
             index = torch.tensor(members, dtype=torch.long, device=device)
-        group_st = st if len(members) == batch else SamplingTensors(
-            st.temperature[index], st.top_k[index], st.top_p[index], st.seeds[index])
+        group_st = st if len(members) == batch else st.select(index)
         if k == 0:
             emitted[index, 0] = sample(logits[index, 0], group_st, anchor_positions[index], Purpose.BONUS, 0)
             continue

@@ -28,6 +28,9 @@ KERNELS: tuple[KernelTwin, ...] = (
     KernelTwin("sample",
                ("dflash2.fast.kernels.sampler:sample_torch", "dflash2.fast.kernels.sampler:sample_triton"),
                "dflash2.reference.speculative.sampling:sample_from_probs", "conformance/ops/test_sampler.py"),
+    KernelTwin("row_filter",  # the sort-free top-k/top-p cut; its twin sorts every row
+               ("dflash2.fast.kernels.row_filter:filter_torch", "dflash2.fast.kernels.row_filter:filter_triton"),
+               "dflash2.reference.speculative.sampling:target_probs", "conformance/ops/test_sampler.py"),
     KernelTwin("rejection",
                ("dflash2.fast.kernels.rejection:verify_torch", "dflash2.fast.kernels.rejection:verify_triton"),
                "dflash2.reference.speculative.verify:verify_sampled_keyed", "conformance/ops/test_rejection.py"),

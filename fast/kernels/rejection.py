@@ -1,26 +1,30 @@
 """Batched verification of k drafts per request, twin of ``reference/speculative/verify.py``.
 
 For each request b (target rows b*(k+1) + i, row i giving p_{i+1}), with the request's sampling
-parameters and the filtered target distribution computed in place from the logits:
+parameters and the filtered target distribution computed in place from the logits
+(``sampler``: w on the kept set, p = w / Z):
 
 - greedy requests: the longest prefix with y_i = argmax(row i-1) (lowest id on ties), then the
   argmax of the first mismatching row (or of row k);
 - sampled requests (sparse-q rejection): slot i's q row is ``draft_probs [K]`` over
   ``cand_ids [K]``. A row that is NaN/inf anywhere, has a negative entry, sums to 0 or gives y_i
   no mass is untrusted: the slot is rejected and its token drawn from p_i. Otherwise it is divided
-  by its total and y_i is accepted iff ``accept_u_i * q_i(y_i) < p_i(y_i)`` (fp64). At the first
-  rejection the token is drawn from ``max(0, p - q)`` (from p if that has no mass, or if the row
-  was untrusted) with residual_u; after k acceptances a bonus from p_{k+1} with bonus_u.
+  by its total and y_i is accepted iff ``accept_u_i * q_i(y_i) < fl32(p_i(y_i))`` (fp64; p rounded
+  to fp32 as the reference's probabilities are). At the first rejection the token is drawn from
+  ``max(0, p - q)`` (fp64; from p if that has no mass, or if the row was untrusted) with
+  residual_u; after k acceptances a bonus from p_{k+1} with bonus_u.
   Uniforms: ``uniform(seed, s, ACCEPT, i)``, ``(seed, s, RESIDUAL, 0)``, ``(seed, s, BONUS, 0)``.
 
 Outputs: ``num_accepted [B]`` and ``emitted [B, k+1]``: y_1..y_a, then the correction or bonus,
 then ``EMPTY`` (-1) padding.
 
 Two implementations: ``verify_torch`` (the reference's operations batched over requests and
-slots, fp64) and ``verify_triton``: a row-stats kernel over all B*(k+1) rows (max, argmax, kept
-mass: ``sampler.row_stats``), then one program per request walks the k slots on scalars, reading
-p_i(y_i) from a single logit, and makes two passes over one row's V for the final draw, building
-the scatter of q over the vocabulary on the fly from the K candidates (no [B, k, V] tensor).
+slots, fp64, on ``row_filter.kept_weights_torch``) and ``verify_triton``: ``row_filter.filter_triton``
+over all B*(k+1) rows (max, argmax, cut, kept mass), then one program per request walks the k
+slots on scalars, reading p_i(y_i) from a single logit, and ``sampler._draw_kernel`` makes the final
+draw over (request, chunk) programs, building the scatter of q over the vocabulary on the fly from
+the K candidates (no [B, k, V] tensor). A batch of greedy requests is one argmax pass and the walk.
+No launch waits on the host (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from torch import Tensor
 from dflash2.reference.request.rng import Purpose
 
 from .philox import keyed_uniform_torch, philox_uniform
-from .sampler import (SamplingTensors, _block_v, draw_torch, filter_cuts, kept_weight, row_stats,
-                      target_probs_torch)
+from .row_filter import DEFAULT_CONFIG, FilterConfig, Layout, filter_triton, kept_weights_torch, row_params
+from .sampler import SamplingTensors, VerifyDraws, draw_torch, launch_draws
 from .triton_compat import tl, triton, use_triton
 
 EMPTY = -1
@@ -75,15 +79,16 @@ def verify_torch(target_logits: Tensor, st: SamplingTensors, draft_tokens: Tenso
     argmax = torch.argmax(logits, dim=-1)  # [B, k+1]
     greedy_acc = torch.cumprod((drafts == argmax[:, :k]).long(), dim=1).sum(dim=1)
 
-    probs = target_probs_torch(logits.reshape(batch * (k + 1), vocab), st.repeat_rows(k + 1))
-    probs = probs.reshape(batch, k + 1, vocab).double()
+    weights = kept_weights_torch(logits.reshape(batch * (k + 1), vocab), st, rows_per_request=k + 1)[1]
+    probs = weights.reshape(batch, k + 1, vocab)
+    probs = probs / probs.sum(dim=-1, keepdim=True)  # fp64
     q = draft_probs.double()  # [B, k, K]
     total = q.sum(dim=-1)  # [B, k]
     trusted = (total > 0) & (total < torch.inf) & (q >= 0).all(dim=-1)
     q_norm = q / total[..., None]
     q_token = torch.where(cand_ids == drafts[..., None], q_norm, 0.0).sum(dim=-1)  # [B, k]
     trusted &= q_token > 0
-    p_token = probs[:, :k].gather(-1, drafts[..., None])[..., 0]  # [B, k]
+    p_token = probs[:, :k].gather(-1, drafts[..., None])[..., 0].float().double()  # [B, k], as fp32 probabilities
     accept_u = keyed_uniform_torch(st.seeds[:, None], anchor_positions[:, None], int(Purpose.ACCEPT),
                                    torch.arange(1, k + 1, device=logits.device)[None, :]).double()
     accepted = trusted & (accept_u * q_token < p_token)
@@ -111,116 +116,68 @@ def verify_torch(target_logits: Tensor, st: SamplingTensors, draft_tokens: Tenso
 # -- Triton ---------------------------------------------------------------------------------------
 
 @triton.jit
-def _row_stats_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, cut_x_ptr, cut_id_ptr, max_ptr, argmax_ptr,
-                      mass_ptr, ROWS_PER_REQ: tl.constexpr, VOCAB: tl.constexpr, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0)
-    req = row // ROWS_PER_REQ
-    temperature = tl.load(temperature_ptr + req)
-    temperature = tl.where((temperature == 0.0) | (tl.load(top_k_ptr + req) == 1), 1.0, temperature)
-    row_max, argmax, mass = row_stats(logits_ptr + row.to(tl.int64) * stride_row, temperature,
-                                      tl.load(cut_x_ptr + row), tl.load(cut_id_ptr + row), VOCAB, BLOCK_V)
-    tl.store(max_ptr + row, row_max)
-    tl.store(argmax_ptr + row, argmax)
-    tl.store(mass_ptr + row, mass)
-
-
-@triton.jit
-def _target_prob(row_ptr, ids, temperature, cut_x, cut_id, row_max, mass, VOCAB: tl.constexpr):
-    """p at ``ids``: the kept weight over the kept mass, rounded to fp32 as the reference's probs are."""
-    w = kept_weight(row_ptr, ids, temperature, cut_x, cut_id, row_max, VOCAB)
-    return (w / mass).to(tl.float32).to(tl.float64)
-
-
-@triton.jit
-def _verify_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, seed_ptr, anchor_ptr, cut_x_ptr, cut_id_ptr,
-                   max_ptr, argmax_ptr, mass_ptr, drafts_ptr, cand_ptr, dprobs_ptr, num_accepted_ptr, emitted_ptr,
+def _verify_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, anchor_ptr, m_ptr,
+                   argmax_ptr, cut_x_ptr, cut_id_ptr, z_ptr, z_stride, drafts_ptr, cand_ptr, dprobs_ptr,
+                   num_accepted_ptr, emitted_ptr, draw_row_ptr, use_q_ptr, u_ptr, draw_slot_ptr, out_index_ptr,
                    K: tl.constexpr, KSEL: tl.constexpr, KSEL_PAD: tl.constexpr, KEYS_PAD: tl.constexpr,
-                   VOCAB: tl.constexpr, BLOCK_V: tl.constexpr):
+                   VOCAB: tl.constexpr, GREEDY_ONLY: tl.constexpr):
+    """Request b's walk over its k slots; a sampled request leaves its final draw to ``_draw_kernel``."""
     b = tl.program_id(0)
-    temperature = tl.load(temperature_ptr + b)
-    greedy = (temperature == 0.0) | (tl.load(top_k_ptr + b) == 1)
-    temperature = tl.where(greedy, 1.0, temperature)
-    seed = tl.load(seed_ptr + b)
-    anchor = tl.load(anchor_ptr + b)
-    offs_k = tl.arange(0, KSEL_PAD)
-    in_k = offs_k < KSEL
-    # every uniform of the step at once: accept_u_1..k, then residual_u, then bonus_u
-    key = tl.arange(0, KEYS_PAD)
-    purpose = tl.where(key < K, _ACCEPT, tl.where(key == K, _RESIDUAL, _BONUS))
-    uniforms = philox_uniform(seed, anchor + 0 * key, purpose, tl.where(key < K, key + 1, 0)).to(tl.float64)
-
+    temperature, greedy, k_on, p_on, top_k, top_p = row_params(temperature_ptr, top_k_ptr, top_p_ptr, b, VOCAB)
     num_acc = b * 0
     done = b * 0
     rej_trusted = b * 0
-    for i in range(K):
+    if not GREEDY_ONLY:
+        offs_k = tl.arange(0, KSEL_PAD)
+        in_k = offs_k < KSEL
+        # every uniform of the step at once: accept_u_1..k, then residual_u, then bonus_u
+        key = tl.arange(0, KEYS_PAD)
+        purpose = tl.where(key < K, _ACCEPT, tl.where(key == K, _RESIDUAL, _BONUS))
+        uniforms = philox_uniform(tl.load(seed_ptr + b), tl.load(anchor_ptr + b) + 0 * key, purpose,
+                                  tl.where(key < K, key + 1, 0)).to(tl.float64)
+    for i in tl.static_range(K):  # unrolled: every slot's loads issue at once, only the decisions chain
         row = b * (K + 1) + i
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-        y = tl.load(drafts_ptr + b * K + i).to(tl.int32)
-        dp = tl.load(dprobs_ptr + (b * K + i) * KSEL + offs_k, mask=in_k, other=0.0).to(tl.float64)
-        cid = tl.load(cand_ptr + (b * K + i) * KSEL + offs_k, mask=in_k, other=-1).to(tl.int32)
-        total = tl.sum(dp, axis=0)
-        bad = tl.max(tl.where(in_k & ~(dp >= 0.0), 1, 0), axis=0)
-        trusted = (bad == 0) & (total > 0.0) & (total < float("inf"))
-        q_y = tl.sum(tl.where(cid == y, dp / tl.where(trusted, total, 1.0), 0.0), axis=0)
-        trusted = trusted & (q_y > 0.0)
-        p_y = tl.sum(_target_prob(row_ptr, y + offs_k * 0, temperature, tl.load(cut_x_ptr + row),
-                                  tl.load(cut_id_ptr + row), tl.load(max_ptr + row), tl.load(mass_ptr + row),
-                                  VOCAB) * (offs_k == 0), axis=0)
-        u = tl.sum(tl.where(key == i, uniforms, 0.0), axis=0)
-        ok = tl.where(greedy, y == tl.load(argmax_ptr + row), trusted & (u * q_y < p_y))
-        rej_trusted = tl.where((done == 0) & ~ok, trusted.to(tl.int32), rej_trusted)
+        y = tl.load(drafts_ptr + b * K + i)
+        ok = y == tl.load(argmax_ptr + row)
+        if not GREEDY_ONLY:
+            dp = tl.load(dprobs_ptr + (b * K + i) * KSEL + offs_k, mask=in_k, other=0.0).to(tl.float64)
+            cid = tl.load(cand_ptr + (b * K + i) * KSEL + offs_k, mask=in_k, other=-1)
+            total = tl.sum(dp, axis=0)
+            bad = tl.max(tl.where(in_k & ~(dp >= 0.0), 1, 0), axis=0)
+            trusted = (bad == 0) & (total > 0.0) & (total < float("inf"))
+            q_y = tl.sum(tl.where(cid == y, dp / tl.where(trusted, total, 1.0), 0.0), axis=0)
+            trusted = trusted & (q_y > 0.0)
+            x_y = tl.math.div_rn(tl.load(logits_ptr + row.to(tl.int64) * stride_row + y).to(tl.float32), temperature)
+            cut_x = tl.load(cut_x_ptr + row)
+            kept = (x_y > cut_x) | ((x_y == cut_x) & (y <= tl.load(cut_id_ptr + row)))
+            w_y = tl.exp(x_y.to(tl.float64) - tl.load(m_ptr + row).to(tl.float64))
+            # p(y) rounded to fp32, as the reference's probabilities are
+            p_y = tl.where(kept, (w_y / tl.load(z_ptr + row * z_stride)).to(tl.float32).to(tl.float64), 0.0)
+            u = tl.sum(tl.where(key == i, uniforms, 0.0), axis=0)
+            ok = tl.where(greedy, ok, trusted & (u * q_y < p_y))
+            rej_trusted = tl.where((done == 0) & ~ok, trusted.to(tl.int32), rej_trusted)
         num_acc += tl.where((done == 0) & ok, 1, 0)
         done = tl.where(ok, done, 1)
 
     row = b * (K + 1) + num_acc
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    token = tl.load(argmax_ptr + row).to(tl.int32)
-    if not greedy:
-        rejected = num_acc < K
-        slot = tl.minimum(num_acc, K - 1)
-        dp = tl.load(dprobs_ptr + (b * K + slot) * KSEL + offs_k, mask=in_k, other=0.0).to(tl.float64)
-        cid = tl.load(cand_ptr + (b * K + slot) * KSEL + offs_k, mask=in_k, other=-1).to(tl.int32)
-        use_q = rejected & (rej_trusted == 1)
-        q_norm = dp / tl.where(use_q, tl.sum(dp, axis=0), 1.0)
-        cut_x, cut_id = tl.load(cut_x_ptr + row), tl.load(cut_id_ptr + row)
-        row_max, mass = tl.load(max_ptr + row), tl.load(mass_ptr + row)
-        offs = tl.arange(0, BLOCK_V)
-        sum_r = tl.zeros([BLOCK_V], dtype=tl.float64)
-        sum_p = tl.zeros([BLOCK_V], dtype=tl.float64)
-        for start in range(0, VOCAB, BLOCK_V):
-            ids = start + offs
-            p = _target_prob(row_ptr, ids, temperature, cut_x, cut_id, row_max, mass, VOCAB)
-            q = tl.sum(tl.where(cid[None, :] == ids[:, None], q_norm[None, :], 0.0), axis=1)
-            sum_r += tl.where(use_q, tl.maximum(p - q, 0.0), 0.0)
-            sum_p += p
-        total_r = tl.sum(sum_r, axis=0)
-        use_r = use_q & (total_r > 0.0)
-        u = tl.sum(tl.where(key == tl.where(rejected, K, K + 1), uniforms, 0.0), axis=0)
-        target = u * tl.where(use_r, total_r, tl.sum(sum_p, axis=0))
-        cum = tl.zeros([1], dtype=tl.float64)
-        pick = VOCAB + 0 * token
-        last = -1 + 0 * token
-        for start in range(0, VOCAB, BLOCK_V):
-            ids = start + offs
-            p = _target_prob(row_ptr, ids, temperature, cut_x, cut_id, row_max, mass, VOCAB)
-            q = tl.sum(tl.where(cid[None, :] == ids[:, None], q_norm[None, :], 0.0), axis=1)
-            w = tl.where(use_r, tl.maximum(p - q, 0.0), p)
-            w = tl.where(ids < VOCAB, w, 0.0)
-            cdf = tl.sum(cum) + tl.cumsum(w, axis=0)
-            pick = tl.minimum(pick, tl.min(tl.where(cdf > target, ids, VOCAB), axis=0))
-            last = tl.maximum(last, tl.max(tl.where(w > 0.0, ids, -1), axis=0))
-            cum = cum + tl.sum(w, axis=0)
-        token = tl.minimum(pick, last)
-
+    token = tl.load(argmax_ptr + row)
     tl.store(num_accepted_ptr + b, num_acc.to(tl.int64))
+    if not GREEDY_ONLY:
+        rejected = num_acc < K
+        tl.store(draw_row_ptr + b, tl.where(greedy, -1, row).to(tl.int64))
+        tl.store(use_q_ptr + b, (rejected & (rej_trusted == 1)).to(tl.int32))
+        tl.store(u_ptr + b, tl.sum(tl.where(key == tl.where(rejected, K, K + 1), uniforms, 0.0), axis=0))
+        tl.store(draw_slot_ptr + b, tl.minimum(num_acc, K - 1).to(tl.int64))
+        tl.store(out_index_ptr + b, (b * (K + 1) + num_acc).to(tl.int64))
     for i in range(K + 1):
         draft = tl.load(drafts_ptr + b * K + tl.minimum(i, K - 1))
-        value = tl.where(i < num_acc, draft, tl.where(i == num_acc, token.to(tl.int64), -1))
+        value = tl.where(i < num_acc, draft, tl.where(i == num_acc, token, -1))
         tl.store(emitted_ptr + b * (K + 1) + i, value)
 
 
 def verify_triton(target_logits: Tensor, st: SamplingTensors, draft_tokens: Tensor, cand_ids: Tensor,
-                  draft_probs: Tensor, anchor_positions: Tensor) -> tuple[Tensor, Tensor]:
+                  draft_probs: Tensor, anchor_positions: Tensor,
+                  config: FilterConfig = DEFAULT_CONFIG) -> tuple[Tensor, Tensor]:
     """``verify_torch`` by the Triton kernels (same arguments and results)."""
     logits = _check_shapes(target_logits, draft_tokens, cand_ids, draft_probs)
     batch, k = draft_tokens.shape
@@ -228,25 +185,36 @@ def verify_triton(target_logits: Tensor, st: SamplingTensors, draft_tokens: Tens
     device = logits.device
     flat = logits.reshape(batch * (k + 1), vocab)
     flat = flat if flat.stride(-1) == 1 else flat.contiguous()
-    cut_x, cut_id = filter_cuts(flat, st.repeat_rows(k + 1))
-    rows = batch * (k + 1)
-    row_max = torch.empty(rows, dtype=torch.float32, device=device)
-    row_argmax = torch.empty(rows, dtype=torch.int32, device=device)
-    row_mass = torch.empty(rows, dtype=torch.float64, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
     emitted = torch.empty((batch, k + 1), dtype=torch.int64, device=device)
     if batch == 0:
         return num_accepted, emitted
-    block_v = _block_v(vocab)
-    _row_stats_kernel[(rows,)](flat, flat.stride(0), st.temperature, st.top_k, cut_x, cut_id, row_max, row_argmax,
-                               row_mass, ROWS_PER_REQ=k + 1, VOCAB=vocab, BLOCK_V=block_v)
-    _verify_kernel[(batch,)](flat, flat.stride(0), st.temperature, st.top_k, st.seeds,
-                             anchor_positions.to(torch.int64).contiguous(), cut_x, cut_id, row_max, row_argmax,
-                             row_mass, draft_tokens.to(torch.int64).contiguous(),
-                             cand_ids.to(torch.int64).contiguous(), draft_probs.contiguous(), num_accepted,
-                             emitted, K=k, KSEL=ksel, KSEL_PAD=max(2, triton.next_power_of_2(ksel)),
-                             KEYS_PAD=triton.next_power_of_2(k + 2), VOCAB=vocab,
-                             BLOCK_V=block_v)
+    drafts = draft_tokens.to(torch.int64).contiguous()
+    anchors = anchor_positions.to(torch.int64).contiguous()
+    keys_pad = triton.next_power_of_2(k + 2)
+    if st.all_greedy:
+        argmax = torch.argmax(flat, dim=-1)
+        unused = argmax
+        _verify_kernel[(batch,)](flat, flat.stride(0), st.temperature, st.top_k, st.top_p, st.seeds, anchors, unused,
+                                 argmax, unused, unused, unused, 1, drafts, unused, unused, num_accepted, emitted,
+                                 unused, unused, unused, unused, unused, K=k, KSEL=1, KSEL_PAD=2, KEYS_PAD=keys_pad,
+                                 VOCAB=vocab, GREEDY_ONLY=True)
+        return num_accepted, emitted
+    flt = filter_triton(flat, st, rows_per_request=k + 1, config=config)
+    cand = cand_ids.to(torch.int64).contiguous()
+    dprobs = draft_probs.contiguous()
+    draw_row = torch.empty(batch, dtype=torch.int64, device=device)
+    use_q = torch.empty(batch, dtype=torch.int32, device=device)
+    u = torch.empty(batch, dtype=torch.float64, device=device)
+    draw_slot = torch.empty(batch, dtype=torch.int64, device=device)
+    out_index = torch.empty(batch, dtype=torch.int64, device=device)
+    _verify_kernel[(batch,)](flat, flat.stride(0), st.temperature, st.top_k, st.top_p, st.seeds, anchors, flt.row_max,
+                             flt.argmax, flt.cut_x, flt.cut_id, flt.z_kept, flt.z_kept.stride(0), drafts, cand, dprobs,
+                             num_accepted, emitted, draw_row, use_q, u, draw_slot, out_index, K=k, KSEL=ksel,
+                             KSEL_PAD=max(2, triton.next_power_of_2(ksel)), KEYS_PAD=keys_pad, VOCAB=vocab,
+                             GREEDY_ONLY=False)
+    launch_draws(flat, st, flt, Layout.of(vocab, config), emitted,
+                 verify=VerifyDraws(draw_row, use_q, u, draw_slot, out_index, cand, dprobs))
     return num_accepted, emitted
 
 
