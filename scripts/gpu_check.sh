@@ -8,9 +8,11 @@
 #   3. run the conformance suite on CUDA (fp32 and bf16 variants live in the tests);
 #   4. run the kernel micro-benchmarks (bench/kernels/bench_*.py), each beside its floor;
 #   5. run `ft bench` at the real shapes (bench/shapes/, --load-format dummy) over BENCH_RUNS
-#      (setting:concurrency:prompt_len,...; the default below covers the issue's figures), with
-#      BENCH_SIM tokens per step simulated (timing only); BENCH_SHAPES, BENCH_TOKENS, BENCH_FLAGS change it;
-#   6. print a short summary table last.
+#      (setting:concurrency:prompt_len,...; the default below covers the issue's figures), with the
+#      seed's tokens per step simulated (timing only; BENCH_SIM overrides, BENCH_SIM= turns it off);
+#      BENCH_SHAPES, BENCH_TOKENS, BENCH_FLAGS change it;
+#   6. print a short summary table last (after stage 7 when it runs).
+#   7. with SERVE_LOAD=1, bench/load_serve.py against `ft serve` (MoE shape, dummy weights, loopback);
 # SKIP_CONFORMANCE=1 / SKIP_KERNELS=1 / SKIP_BENCH=1 skip a stage. Results land in $OUT (the device tool
 # brings them back); record them under bench/results/.
 set -uo pipefail
@@ -51,11 +53,23 @@ default_runs=off:1:512,off:1:4096,mtp3:1:4096,mtp7:1:4096,dflash3:1:4096,dflash7
 default_runs=$default_runs,off:4:512,dflash7:4:512,off:16:512,dflash7:16:512
 if [ -z "${SKIP_BENCH:-}" ]; then
   for shape in ${BENCH_SHAPES:-qwen3.5-35b-a3b qwen3.5-27b}; do
+    case "$shape" in  # the seed's measured tokens per verify step for this family (DFlash k=7, AIME25)
+      *27b) sim=5.47 ;; *35b-a3b) sim=5.39 ;; *) sim= ;;
+    esac
+    sim=${BENCH_SIM-$sim}
     python3 -m dflash2.fast bench --model "bench/shapes/$shape" --draft "bench/shapes/$shape-dflash2" \
       --load-format dummy --runs "${BENCH_RUNS:-$default_runs}" \
-      --max-tokens "${BENCH_TOKENS:-64}" ${BENCH_SIM:+--simulate-tokens-per-step "$BENCH_SIM"} ${BENCH_FLAGS:-} \
+      --max-tokens "${BENCH_TOKENS:-64}" ${sim:+--simulate-tokens-per-step "$sim"} ${BENCH_FLAGS:-} \
       --out "$out/bench-$shape" 2>&1 | tee "$out/bench-$shape.log" || bench_rc=1
   done
+fi
+
+serve_rc=0
+if [ -n "${SERVE_LOAD:-}" ]; then  # ft serve under a bounded loopback load, on the MoE shape with dummy weights
+  python3 bench/load_serve.py --num-requests 64 --concurrency 16 --input-len 512 --output-len 64 \
+    --duration-s 60 --timeout-s 60 --out "$out/serve-load.json" -- \
+    --model bench/shapes/qwen3.5-35b-a3b --load-format dummy --max-running-requests 16 --max-model-len 2048 \
+    2>&1 | tee "$out/serve-load.log" || serve_rc=1
 fi
 
 echo
@@ -69,4 +83,5 @@ printf "%-28s %s\n" "ft bench rc" "$bench_rc"
 for d in "$out"/bench-*/; do
   [ -f "$d/bench.md" ] && { echo "-- $(basename "$d")"; grep '^|' "$d/bench.md" | cut -c1-160; }
 done
-exit $(( conf_rc != 0 || kernels_rc != 0 || bench_rc != 0 ))
+[ -n "${SERVE_LOAD:-}" ] && printf "%-28s %s\n" "serve load rc" "$serve_rc" && tail -14 "$out/serve-load.log"
+exit $(( conf_rc != 0 || kernels_rc != 0 || bench_rc != 0 || serve_rc != 0 ))

@@ -81,6 +81,7 @@ class GraphKey:
     rows_per_seq: int  # R: 1 for decode, k+1 for verify
     pages: int  # page-table width P
     is_verify: bool
+    sampling: object = None  # a whole step's HostSummary (which verify kernels can have work), rounded up
 
 
 class StaticInputs:

@@ -29,7 +29,7 @@ row that completes a prompt, the decode row, or verify rows 0..num_accepted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -39,7 +39,7 @@ from dflash2.reference.request.sampling_params import SamplingParams
 from dflash2.reference.request.trace import StepRecord
 
 from ..kernels.philox import seeds_tensor
-from ..kernels.sampler import SamplingTensors
+from ..kernels.sampler import HostSummary, SamplingTensors
 from ..model.batch import ForwardBatch
 from ..model.pools import commit_verify
 from ..speculative.proposal import DraftProposal
@@ -271,6 +271,7 @@ class ModelRunner:
         if key is None:
             return None
         params = [r.params for r in reqs]
+        key = replace(key, sampling=graph_summary(params))
         keep = self.simulated_accept() if self.simulated_accept is not None else -1
         accepted, emitted = self.step_graphs.run(
             key, anchors=torch.tensor(anchor_list), slots=torch.tensor([r.slot for r in reqs]), tables=tables,
@@ -287,7 +288,7 @@ class ModelRunner:
         ``views["keep"] >= 0`` (benchmarks only) replaces the verify's acceptance by that many drafts."""
         b, rows = key.num_seqs, key.rows_per_seq
         k = rows - 1
-        st = SamplingTensors(views["temperature"], views["top_k"], views["top_p"], views["seeds"])
+        st = SamplingTensors(views["temperature"], views["top_k"], views["top_p"], views["seeds"], key.sampling)
         anchors, anchor_tokens = views["anchors"], views["anchor_tokens"]
         tables = views["block_tables"].view(b, key.pages).to(torch.int32)
         proposal = self.proposer.propose(anchor_tokens, anchors, views["state_slots"], tables, k, st)
@@ -311,6 +312,15 @@ class ModelRunner:
         keep = self.simulated_accept()
         accepted = torch.tensor([min(keep, kb) for kb in num_drafts], dtype=torch.long, device=self.device)
         return VerifyOutput(accepted, torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1))
+
+
+def graph_summary(params: Sequence[SamplingParams]) -> HostSummary:
+    """The batch's HostSummary with max_top_k rounded up to a power of two (at least 16): a summary may
+    only err towards more work, and the rounding keeps the number of captured step graphs small."""
+    summary = HostSummary.of(params)
+    if summary.max_top_k <= 0:
+        return summary
+    return replace(summary, max_top_k=max(16, 1 << (summary.max_top_k - 1).bit_length()))
 
 
 class DFlashDrafter:
