@@ -31,6 +31,9 @@ def markdown(result: dict) -> str:
               "tok/s | prefill s | KV tokens | draft params | ring+window MiB/slot | workspace MiB |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
+        if "error" in r:
+            lines.append(f"| {r['setting']} | {r['concurrency']} | {r['prompt_len']} | FAILED: {r['error'][:120]} |")
+            continue
         slot_mib = (r["ring_bytes_per_slot"] + r["window_bytes_per_slot"]) / 2**20
         lines.append(
             f"| {r['setting']} | {r['concurrency']} | {r['prompt_len']} | {r['step']} | {_fmt(r['step_ms_median'], '.2f')} "
@@ -39,7 +42,7 @@ def markdown(result: dict) -> str:
             f"| {r['kv_tokens']} | {r['draft_params'] / 1e6:.0f}M | {slot_mib:.0f} "
             f"| {r.get('workspace_bytes', 0) / 2**20:.0f} |")
     for r in result["runs"]:
-        prof = r.get("profile")
+        prof = r.get("profile") if "error" not in r else None
         if prof:
             lines += ["", f"Profile of a 16-token generate, {r['setting']} c={r['concurrency']} p={r['prompt_len']}: "
                       f"{prof['total_gpu_ms']:.1f} ms of GPU time", "", "| kernel | calls | GPU ms | share |",
@@ -81,10 +84,13 @@ def plot_acceptance(result: dict, path: Path) -> bool:
     return True
 
 
-def write_report(result: dict, out_dir: Path) -> None:
+def write_report(result: dict, out_dir: Path, quiet: bool = False) -> None:
+    """Write the three files (after every run too, so a run cut short keeps what it measured)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
     (out_dir / "bench.md").write_text(markdown(result))
+    if quiet:
+        return
     plotted = plot_acceptance(result, out_dir / "acceptance.png")
     print(markdown(result))
     if not plotted:

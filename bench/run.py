@@ -255,7 +255,7 @@ def draft_seconds(engine, concurrency: int, anchor: int, k: int) -> float:
     return graph_seconds(lambda: runner.proposer.propose(tokens, anchors, slots, tables, k, st))
 
 
-def run(args: BenchArgs) -> dict:
+def run(args: BenchArgs, on_row=None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else float("nan")
     cfg = load_target_config(args.model)
@@ -272,9 +272,18 @@ def run(args: BenchArgs) -> dict:
         result["verify_kernel_us"] = {f"B={b},k={k}": 1e6 * verify_kernel_seconds(cfg.vocab_size, b, k, device)
                                       for b in (1, 4, 16) for k in ks or [7]}
     for setting, concurrency, prompt_len in args.runs:
-        row = run_one(args, setting, concurrency, prompt_len, bandwidth)
+        try:
+            row = run_one(args, setting, concurrency, prompt_len, bandwidth)
+        except Exception as exc:  # one failed run is reported and the others still run
+            row = {"setting": setting, "concurrency": concurrency, "prompt_len": prompt_len,
+                   "error": f"{type(exc).__name__}: {exc}"}
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         result["runs"].append(row)
         print(json.dumps(row), flush=True)
+        if on_row is not None:
+            on_row(result)
     return result
 
 
@@ -289,9 +298,9 @@ def _git_rev() -> str:
 def main(args: BenchArgs) -> int:
     from .report import write_report
 
-    result = run(args)
+    result = run(args, on_row=lambda partial: write_report(partial, args.out_dir, quiet=True))
     write_report(result, args.out_dir)
-    return 0
+    return 1 if any("error" in r for r in result["runs"]) else 0
 
 
 if __name__ == "__main__":  # pragma: no cover
