@@ -44,7 +44,7 @@ def markdown(result: dict) -> str:
     for r in result["runs"]:
         prof = r.get("profile") if "error" not in r else None
         if prof:
-            lines += ["", f"Profile of a 16-token generate, {r['setting']} c={r['concurrency']} p={r['prompt_len']}: "
+            lines += ["", f"Profile of a 17-token generate from 8-token prompts (mostly decode/verify steps), {r['setting']} c={r['concurrency']} p={r['prompt_len']}: "
                       f"{prof['total_gpu_ms']:.1f} ms of GPU time", "", "| kernel | calls | GPU ms | share |",
                       "|---|---|---|---|"]
             lines += [f"| `{k['name']}` | {k['calls']} | {k['gpu_ms']:.2f} | {k['share']:.1%} |" for k in prof["kernels"]]

@@ -215,7 +215,9 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
     if algorithm != "none" and torch.cuda.is_available():
         row["draft_ms"] = 1e3 * draft_seconds(engine, concurrency, prompt_len, k)
     if args.profile and torch.cuda.is_available():
-        row["profile"] = kernel_shares(llm, prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        # 8-token prompts, so the 16-token generate is mostly decode or verify steps, not prefill
+        row["profile"] = kernel_shares(llm, [p[:8] for p in prompts],
+                                       SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True))
     del llm, engine, runner, model, clock
     gc.collect()
     if torch.cuda.is_available():
@@ -224,7 +226,8 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
 
 
 def kernel_shares(llm, prompts, params, top: int = 15) -> dict:
-    """Where a short generate's GPU time goes: the ``top`` kernels by total CUDA time, with their share."""
+    """Where a short generate's GPU time goes: the ``top`` kernels by total CUDA time, with their share
+    (kernels replayed from CUDA graphs included)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
