@@ -16,7 +16,8 @@ def markdown(result: dict) -> str:
     lines = [
         f"# ft bench: {result['model']} ({result['load_format']} weights)",
         "",
-        f"- date {result['date']}, device {result['device']}, torch {result['torch']}, git {result['git']}",
+        f"- date {result['date']}, device {result['device']}, torch {result['torch']}, "
+        f"git HEAD as the run saw it {result['git']} (a copied checkout may carry a stale one)",
         f"- copy bandwidth measured in this run: {result['copy_bandwidth_GBps']:.0f} GB/s (read + write)",
         f"- shape: hidden {result['shape']['hidden_size']}, {result['shape']['num_hidden_layers']} layers, "
         f"V = {result['shape']['vocab_size']}, {'MoE' if result['shape']['is_moe'] else 'dense'}",
