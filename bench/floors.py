@@ -5,8 +5,8 @@ the caches it touches are read (and the GDN state written). The floor of a step 
 
     floor = bytes(step) / copy bandwidth
 
-with the bandwidth measured in the same run (a device-to-device copy, counting bytes read plus
-bytes written), so a slow or shared card lowers its own floor. Bytes per step:
+with the bandwidth measured in the same run (``bench/measure.copy_bandwidth``: a device-to-device
+copy, counting bytes read plus bytes written), so a slow or shared card lowers its own floor. Bytes per step:
 
 - target weights: every tensor of the forward except the embedding table (one row is read) and the
   MTP head; for an MoE, the routed experts count by the expected number of distinct experts that R
@@ -26,30 +26,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from dflash2.reference.formats.config import TargetConfig
 from dflash2.reference.formats.draft_checkpoint import expected_draft_shapes
 from dflash2.reference.formats.draft_config import DraftConfig
 from dflash2.reference.formats.weights import expected_target_shapes
 
 EXPERT_SUFFIXES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-
-
-def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), median of ``reps`` timed copies."""
-    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    median = sorted(times[3:])[len(times[3:]) // 2]
-    return 2 * src.numel() * src.element_size() / median
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, rows: int) -> float:

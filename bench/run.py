@@ -43,7 +43,8 @@ from dflash2.fast.llm import LLM, SamplingParams
 from dflash2.reference.formats.config import load_target_config
 from dflash2.reference.formats.draft_config import load_draft_config
 
-from .floors import copy_bandwidth, dflash_draft_bytes, mtp_draft_bytes, target_step_bytes
+from .floors import dflash_draft_bytes, mtp_draft_bytes, target_step_bytes
+from .measure import copy_bandwidth, graph_seconds
 
 SETTINGS = {"off": ("none", None), "mtp3": ("mtp", 3), "mtp7": ("mtp", 7), "dflash3": ("dflash", 3),
             "dflash7": ("dflash", 7)}
@@ -106,35 +107,6 @@ class SimulatedAcceptance:
         j, m = self.step, self.mean_kept
         self.step += 1
         return math.floor((j + 1) * m + 1e-9) - math.floor(j * m + 1e-9)
-
-
-def cuda_time(fn, reps: int = 20, warmup: int = 3) -> float:
-    """Median seconds of ``fn`` between CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def graph_seconds(fn, reps: int = 20) -> float:
-    """CUDA-event median of CUDA-graph replays of ``fn`` (warmed up on a side stream, then captured)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return cuda_time(graph.replay, reps=reps)
 
 
 def verify_kernel_seconds(vocab: int, num_seqs: int, k: int, device: torch.device) -> float:

@@ -62,6 +62,7 @@ from dflash2.fast.model.step import StepMeta
 from dflash2.reference.formats.config import load_target_config
 from dflash2.reference.tiny.dummy import dummy_target_weights
 from dflash2.reference.tiny.target import tiny_target_config
+from dflash2.bench.measure import copy_bandwidth, rms_rel
 
 MODELS = {"27b": "bench/shapes/qwen3.5-27b", "35b-a3b": "bench/shapes/qwen3.5-35b-a3b"}
 ROWS = (1, 8, 32)
@@ -79,28 +80,9 @@ LAYERS_27B = (48, 16)  # GDN and attention layers of Qwen3.5-27B
 COUNT_MODEL = "27b"  # GPU ops are counted (profiler) for this model's ops only: the counts do not depend on the shape
 
 
-def rms_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
-
-
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equal, NaN where NaN."""
     return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) * 1e-3)
 
 
 def graph_us(fn, repeat: int = REPEAT) -> float:

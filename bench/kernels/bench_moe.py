@@ -30,6 +30,7 @@ from triton.testing import do_bench
 
 from dflash2.fast.kernels.moe import MAX_TRITON_PAIRS, MoEBlocks, default_blocks, moe_experts_triton
 from dflash2.fast.model.moe import moe_experts_torch
+from dflash2.bench.measure import copy_bandwidth, rms_rel
 
 HIDDEN, WIDTH, EXPERTS, TOP_K = 2048, 512, 256, 8
 ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
@@ -41,18 +42,6 @@ SWEEP = {  # beside each N's default (fast/kernels/moe.default_blocks); one comp
     16: [MoEBlocks(block_i=32), MoEBlocks(block_i=64, num_stages=4)],
     128: [MoEBlocks(block_i=128), MoEBlocks(block_i=32)],
 }
-
-
-def rms_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3)  # read + write
 
 
 def make_layers(gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -37,6 +37,7 @@ from dflash2.fast.model.batch import ForwardBatch
 from dflash2.fast.model.pools import CachePools
 from dflash2.fast.model.step import StepMeta
 from dflash2.reference.tiny.target import tiny_target_config
+from dflash2.bench.measure import copy_bandwidth, rms_rel
 
 MODELS = {"27b": (24, 4, 256), "35b-a3b": (16, 2, 256)}  # H, Hkv, D
 PAGE_SIZE = 16
@@ -45,18 +46,6 @@ BF16_BOUND = 2e-2
 SHAPES = [(model, batch, rows, context) for model in MODELS for context in (512, 4096) for batch in (1, 4, 16)
           for rows in (1, 8)] + [("35b-a3b", 1, 8, 32768), ("27b", 4, 1, 32768)]
 SWEEP_SHAPES = [("35b-a3b", 1, 1, 4096), ("27b", 1, 8, 4096), ("27b", 16, 8, 4096), ("35b-a3b", 4, 1, 512)]
-
-
-def rms_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3)  # read + write
 
 
 def bench(fn) -> float:

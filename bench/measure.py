@@ -1,0 +1,52 @@
+"""Measuring on the GPU, shared by ``ft bench`` and the kernel micro-benchmarks (bench/kernels/)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def copy_bandwidth(device: torch.device | str = "cuda", num_bytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), median of ``reps`` timed copies."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    median = cuda_time(lambda: dst.copy_(src), reps=reps, warmup=0)
+    return 2 * src.numel() * src.element_size() / median
+
+
+def cuda_time(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` between CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def graph_seconds(fn, reps: int = 20) -> float:
+    """CUDA-event median of CUDA-graph replays of ``fn`` (warmed up on a side stream, then captured)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_time(graph.replay, reps=reps)
+
+
+def rms_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """rms(a - b) / rms(b) in float64 (docs/tolerances.md, NUMERIC)."""
+    a, b = a.double(), b.double()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
