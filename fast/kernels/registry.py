@@ -55,6 +55,9 @@ KERNELS: tuple[KernelTwin, ...] = (
     KernelTwin("moe",  # torch twin: the model's torch form (one matmul pair per active expert, a host sync)
                ("dflash2.fast.model.moe:moe_experts_torch", "dflash2.fast.kernels.moe:moe_experts_triton"),
                "dflash2.reference.model.moe:routed_experts", "conformance/ops/test_moe.py"),
+    KernelTwin("moe_router",  # softmax + top-k + renormalise; the torch twin breaks ties by the lowest id
+               ("dflash2.fast.kernels.moe_router:route_torch", "dflash2.fast.kernels.moe_router:route_triton"),
+               "dflash2.reference.model.moe:route", "conformance/ops/test_moe_router.py"),
     KernelTwin("add_rms_norm",  # torch twin: the model's residual add then its zero-centred norm
                ("dflash2.fast.model.norm:add_rms_norm_torch", "dflash2.fast.kernels.rms_norm:add_rms_norm_triton"),
                "dflash2.reference.model.norm:rms_norm", "conformance/ops/test_rms_norm.py"),

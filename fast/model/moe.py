@@ -9,7 +9,9 @@ never over requests); it reads the per-expert counts on the host, one device syn
 :func:`moe_experts`, the op's default, sends CUDA tensors of up to ``MAX_TRITON_PAIRS`` (row,
 choice) pairs (decode and verify steps) to the sync-free, graph-capturable Triton kernels
 (fast/kernels/moe.py), as it does any size inside a CUDA-graph capture; everything else (CPU, long
-prefills) goes to the torch form.
+prefills) goes to the torch form. The router (softmax, top-k, renormalise) is :func:`route`: CUDA
+tensors of up to ``MAX_TRITON_ROUTE_ROWS`` rows (and any size inside a capture) to the two Triton
+kernels of fast/kernels/moe_router.py, everything else to their torch twin.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import Tensor
 from dflash2.reference.formats.config import TargetConfig
 
 from ..kernels.moe import MAX_TRITON_PAIRS, moe_experts_triton
+from ..kernels.moe_router import route_torch, route_triton
 from ..kernels.triton_compat import use_triton
 from .mlp import swiglu
 from .params import Params
@@ -57,6 +60,19 @@ def moe_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor,
     return moe_experts_torch(x, expert_ids, weights, gate_up, down)
 
 
+MAX_TRITON_ROUTE_ROWS = 512  # above (long prefills) cuBLAS's GEMM, not the kernel's CUDA-core products (unmeasured)
+
+
+def route(x: Tensor, w_router: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """``route_torch``'s contract, ``(expert_ids [N, k] int64, weights [N, k] fp32)``; by the Triton
+    kernels (no host sync) for CUDA tensors of at most ``MAX_TRITON_ROUTE_ROWS`` rows, and of any
+    size inside a CUDA-graph capture."""
+    if use_triton(x, w_router) and (
+            x.shape[0] <= MAX_TRITON_ROUTE_ROWS or torch.cuda.is_current_stream_capturing()):
+        return route_triton(x, w_router, top_k)
+    return route_torch(x, w_router, top_k)
+
+
 class FastMoE:
     """The MoE sublayer, reading ``{prefix}mlp.*``."""
 
@@ -74,9 +90,7 @@ class FastMoE:
 
     def forward(self, x: Tensor) -> Tensor:
         """x: ``[N, C]`` after post_attention_layernorm. Returns ``[N, C]`` in x's dtype."""
-        probs = torch.softmax(x.float() @ self.w_router.T, dim=-1)  # [N, E]
-        top_probs, expert_ids = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
-        weights = top_probs / top_probs.sum(dim=-1, keepdim=True)
+        expert_ids, weights = route(x, self.w_router, self.top_k)  # [N, k] int64, [N, k] fp32
         routed = self.moe_experts(x, expert_ids, weights, self.gate_up, self.down)  # [N, C] fp32
         shared = torch.sigmoid(x @ self.shared_expert_gate.T) * swiglu(x, self.shared_gate_up, self.shared_down)
         return (routed + shared.float()).to(x.dtype)

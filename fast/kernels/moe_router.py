@@ -1,0 +1,179 @@
+"""The MoE router, softmax + top-k + renormalisation, as two Triton kernels, sync-free and
+graph-capturable; twin of ``reference/model/moe.route`` (torch twin: :func:`route_torch`).
+
+N rows, E experts, hidden C, top-k::
+
+    logits = x W_router^T                      [N, E]  fp32 (x upcast, fp32 products and accumulation)
+    probs  = softmax(logits)                   [N, E]  exp(l - max l) / sum exp(l - max l)
+    top    = the k largest probs, descending;  equal probs: the lowest expert id first
+    w      = probs[top] / sum(probs[top])      [N, k]  fp32
+
+Kernel 1 (the GEMV, what bounds the op: reading W_router, E C x 4 bytes, 2 MiB at E = 256,
+C = 2048), one program per (``block_e`` experts, ``block_n`` rows): the product tile
+``[block_n, block_e, block_c]`` is accumulated element-wise over C and reduced once, in a fixed
+order, so the logits are bitwise reproducible. At N = 1 ``block_e`` = 2 spreads the matrix over
+E / 2 programs (128 at E = 256), each loading its 16 KiB in one or two steps: the read is
+latency-bound per SM, so many SMs with many bytes in flight each. W_router is read once per block
+of rows (ceil(N / block_n) times, from L2 after the first). Kernel 2, one program per row: softmax
+over the row's E logits held in registers (one warp), then k rounds of one max over keys that
+order by (prob, lower id), each removing its winner. No atomics, no host sync, grids fixed by
+(N, E, C): a CUDA-graph replay equals the eager call bit for bit. bench/kernels/bench_moe_router.py
+measures it against the floor (E C x 4 bytes over the copy bandwidth); not yet run on a GPU.
+
+Tie rule and torch.topk: ``torch.topk`` promises no order among equal values (on CPU it does not
+pick the lowest index: ``topk([.1, .3, .3, .2, .3, .3], 3)`` gives ids 1, 5, 4), so :func:`route_torch`
+selects by a stable descending sort instead, whose order is exactly the kernel's: ties by the lowest
+id. Without exact ties (real router weights) both choose the same experts in the same order as
+torch.topk, and the probabilities and weights are the same numbers as the former topk path.
+Triton and torch compute the logits in different summation orders, so their ids agree exactly
+unless two probabilities are within rounding (about one ulp of the largest logit, ~1e-6 relative)
+of each other at a boundary of the order: EXACT holds for exact ties (planted by duplicate router
+rows) and for separated values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .triton_compat import tl, triton
+
+MAX_EXPERTS = 1024  # kernel 2 keeps a row's E probabilities in registers
+MAX_TOP_K = 64  # kernel 2 unrolls k rounds
+
+
+@dataclass(frozen=True)
+class RouterBlocks:
+    """Block sizes of the GEMV kernel (powers of two)."""
+
+    block_n: int  # rows per program
+    block_e: int  # experts per program
+    block_c: int  # C step
+    num_warps: int = 4
+
+
+def default_blocks(rows: int, num_experts: int, hidden: int) -> RouterBlocks:
+    """About 8K products in flight per program (64 fp32 registers a thread at 4 warps); more experts per
+    program as the rows grow, so x is re-read fewer times (E / block_e times) while W_router is read
+    ceil(N / block_n) times; the grid stays in the hundreds of programs for 132 SMs."""
+    block_n = min(triton.next_power_of_2(max(rows, 1)), 16)
+    block_e = 2 if rows <= 2 else 4 if rows <= 16 else 8 if rows <= 64 else 16
+    block_e = min(block_e, triton.next_power_of_2(num_experts))
+    block_c = min(max(8192 // (block_n * block_e), 16), triton.next_power_of_2(hidden))
+    return RouterBlocks(block_n, block_e, block_c)
+
+
+def route_torch(x: Tensor, w_router: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """The router in torch (the model's former inline code, the selection by a stable sort).
+
+    x: ``[N, C]``; w_router: ``[E, C]`` fp32. Returns ``(expert_ids [N, k] int64, weights [N, k] fp32)``.
+    Ties are exact only where the GEMM computes duplicate router rows alike: CPU BLAS gives the tail
+    column (the 17th of 17) a different rounding, so a duplicate there is no tie for this twin.
+    """
+    probs = torch.softmax(x.float() @ w_router.T, dim=-1)  # [N, E]
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties: lowest id first
+    top_probs, expert_ids = sorted_probs[:, :top_k], order[:, :top_k]  # [N, k]
+    return expert_ids, top_probs / top_probs.sum(dim=-1, keepdim=True)
+
+
+# -- Triton ---------------------------------------------------------------------------------------
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, rows, C: tl.constexpr, E: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
+    n_offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    e_offs = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    in_n = n_offs < rows
+    in_e = e_offs < E
+    x_rows = x_ptr + n_offs.to(tl.int64) * C  # [BLOCK_N]
+    w_rows = w_ptr + e_offs.to(tl.int64) * C  # [BLOCK_E]
+    acc = tl.zeros([BLOCK_N, BLOCK_E, BLOCK_C], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        c_offs = c0 + tl.arange(0, BLOCK_C)
+        in_c = c_offs < C
+        xs = tl.load(x_rows[:, None] + c_offs[None, :], mask=in_n[:, None] & in_c[None, :],
+                     other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_C]
+        ws = tl.load(w_rows[:, None] + c_offs[None, :], mask=in_e[:, None] & in_c[None, :],
+                     other=0.0)  # [BLOCK_E, BLOCK_C] fp32
+        acc += xs[:, None, :] * ws[None, :, :]
+    logits = tl.sum(acc, axis=2)  # [BLOCK_N, BLOCK_E], one reduction in a fixed order
+    tl.store(logits_ptr + n_offs[:, None].to(tl.int64) * E + e_offs[None, :], logits,
+             mask=in_n[:, None] & in_e[None, :])
+
+
+@triton.jit
+def _router_select_kernel(logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, TOP_K: tl.constexpr,
+                          E_PAD: tl.constexpr, K_PAD: tl.constexpr, ID_SPAN: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    e_offs = tl.arange(0, E_PAD)
+    in_e = e_offs < E
+    logits = tl.load(logits_ptr + n * E + e_offs, mask=in_e, other=float("-inf"))
+    num = tl.exp(logits - tl.max(logits, axis=0))  # exp(-inf) = 0 in the padding
+    probs = num / tl.sum(num, axis=0)
+    # One max per round over a key ordering by (prob, then the lower id): a prob >= 0 orders as its
+    # fp32 bits (< 2^30, so bits * ID_SPAN < 2^41), the id goes below them inverted; -1 marks the
+    # padding and the experts already chosen.
+    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(in_e, bits * ID_SPAN + (ID_SPAN - 1 - e_offs), -1)  # [E_PAD] int64
+    k_offs = tl.arange(0, K_PAD)
+    top = tl.zeros([K_PAD], dtype=tl.float32)
+    ids = tl.zeros([K_PAD], dtype=tl.int64)
+    for j in range(TOP_K):
+        best = tl.max(key, axis=0)
+        top = tl.where(k_offs == j, (best // ID_SPAN).to(tl.int32).to(tl.float32, bitcast=True), top)
+        ids = tl.where(k_offs == j, ID_SPAN - 1 - best % ID_SPAN, ids)
+        key = tl.where(key == best, -1, key)  # keys are distinct: the id is part of them
+    in_k = k_offs < TOP_K
+    total = tl.sum(tl.where(in_k, top, 0.0), axis=0)
+    tl.store(weights_ptr + n * TOP_K + k_offs, top / total, mask=in_k)
+    tl.store(ids_ptr + n * TOP_K + k_offs, ids, mask=in_k)
+
+
+def check_route_inputs(x: Tensor, w_router: Tensor, top_k: int) -> None:
+    """x [N, C] float, w_router [E, C] fp32 with E <= MAX_EXPERTS, 1 <= top_k <= min(E, MAX_TOP_K)."""
+    if x.dim() != 2 or not x.dtype.is_floating_point:
+        raise ValueError(f"x {list(x.shape)} {x.dtype}: expected a float [N, C]")
+    if w_router.dim() != 2 or w_router.shape[1] != x.shape[1] or w_router.dtype != torch.float32:
+        raise ValueError(f"w_router {list(w_router.shape)} {w_router.dtype}: expected fp32 [E, {x.shape[1]}]")
+    if not 1 <= w_router.shape[0] <= MAX_EXPERTS:
+        raise ValueError(f"w_router {list(w_router.shape)}: expected 1 <= E <= {MAX_EXPERTS}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= min(w_router.shape[0], MAX_TOP_K):
+        raise ValueError(f"top_k {top_k!r}: expected an int in [1, {min(w_router.shape[0], MAX_TOP_K)}]")
+    if x.device != w_router.device:
+        raise ValueError(f"w_router on {w_router.device}: expected x's device {x.device}")
+
+
+def route_triton(x: Tensor, w_router: Tensor, top_k: int, *, blocks: RouterBlocks | None = None,
+                 logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`route_torch`'s contract by the two kernels: x ``[N, C]`` (any float dtype, upcast),
+    w_router ``[E, C]`` fp32; returns ``(expert_ids [N, k] int64, weights [N, k] fp32)``.
+
+    ``blocks`` defaults to :func:`default_blocks`; ``logits`` (fp32 ``[N, E]``) is the scratch to
+    write instead of a fresh one (the tests poison it).
+    """
+    check_route_inputs(x, w_router, top_k)
+    rows, hidden = x.shape
+    num_experts = w_router.shape[0]
+    blocks = default_blocks(rows, num_experts, hidden) if blocks is None else blocks
+    if logits is None:
+        logits = torch.empty((rows, num_experts), dtype=torch.float32, device=x.device)
+    elif (logits.shape != (rows, num_experts) or logits.dtype != torch.float32 or not logits.is_contiguous()
+          or logits.device != x.device):
+        raise ValueError(f"logits {list(logits.shape)} {logits.dtype} on {logits.device}: expected contiguous "
+                         f"fp32 [{rows}, {num_experts}] on {x.device}")
+    expert_ids = torch.empty((rows, top_k), dtype=torch.int64, device=x.device)
+    weights = torch.empty((rows, top_k), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return expert_ids, weights
+    x, w_router = x.contiguous(), w_router.contiguous()  # the model's are already
+    _router_logits_kernel[(triton.cdiv(num_experts, blocks.block_e), triton.cdiv(rows, blocks.block_n))](
+        x, w_router, logits, rows, C=hidden, E=num_experts, BLOCK_N=blocks.block_n, BLOCK_E=blocks.block_e,
+        BLOCK_C=blocks.block_c, num_warps=blocks.num_warps)
+    e_pad = triton.next_power_of_2(num_experts)
+    _router_select_kernel[(rows,)](
+        logits, weights, expert_ids, E=num_experts, TOP_K=top_k, E_PAD=e_pad,
+        K_PAD=triton.next_power_of_2(top_k), ID_SPAN=e_pad,
+        num_warps=1 if e_pad <= 512 else 2)  # within one warp the k rounds of reductions are shuffles only
+    return expert_ids, weights
