@@ -54,7 +54,27 @@ def test_the_static_step_path_gives_the_eager_tokens(stack, algorithm):
         runner.step_graphs = StepGraphs(runner.pools, runner.verify_step_fn, max_seqs=5, max_pages=max_pages)
     static = llm.generate(PROMPTS, PARAMS)
     used = runner.graphs.graphs if algorithm == "none" else runner.step_graphs.graphs
-    assert used, "no step went through the static path"
-    assert any(key.num_seqs == 4 for key in used)  # a bucket was padded (3 running requests -> 4)
+    if algorithm == "none":
+        assert used, "no step went through the static path"
+        assert any(key.num_seqs == 4 for key in used)  # a bucket was padded (3 running requests -> 4)
+    else:  # speculative steps with a sampled request verify eagerly (see ModelRunner._verify_graphed)
+        assert not used
+    for a, b in zip(static, eager):
+        assert a.error is None and a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("algorithm", ["mtp", "dflash"])
+def test_greedy_speculative_steps_replay_the_static_step(stack, algorithm):
+    target, draft = stack
+    greedy = [SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True) for p in PARAMS]
+    kwargs = dict(dtype=torch.float32, max_running_req=5, speculative_algorithm=algorithm,
+                  speculative_draft_model_path=draft if algorithm == "dflash" else None)
+    eager = LLM(target, **kwargs).generate(PROMPTS, greedy)
+    llm = LLM(target, **kwargs)
+    runner = llm.engine.runner
+    max_pages = pages_for(llm.engine.model.max_model_len, llm.engine.config.page_size)
+    runner.step_graphs = StepGraphs(runner.pools, runner.verify_step_fn, max_seqs=5, max_pages=max_pages)
+    static = llm.generate(PROMPTS, greedy)
+    assert any(key.num_seqs == 4 for key in runner.step_graphs.graphs)  # a padded bucket replayed
     for a, b in zip(static, eager):
         assert a.error is None and a.token_ids == b.token_ids
