@@ -28,7 +28,7 @@ from dataclasses import asdict
 
 import torch
 
-from dflash2.bench.measure import copy_bandwidth, rms_rel
+from dflash2.bench.measure import copy_bandwidth, graph_seconds, rms_rel
 from dflash2.fast.kernels.moe_router import RouterBlocks, default_blocks, route_torch, route_triton
 
 SHAPES = ((256, 2048, 8), (512, 4096, 10))  # (E, C, k)
@@ -47,30 +47,6 @@ def topk_sequence(x: torch.Tensor, w_router: torch.Tensor, top_k: int) -> tuple[
     probs = torch.softmax(x.float() @ w_router.T, dim=-1)
     top_probs, expert_ids = torch.topk(probs, top_k, dim=-1)
     return expert_ids, top_probs / top_probs.sum(dim=-1, keepdim=True)
-
-
-def graph_time(fn, reps: int = 30) -> float:
-    """Median seconds of one replay of a graph of ``fn`` (warmed up on a side stream first)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def check(x, w_router, top_k) -> dict:
@@ -109,16 +85,16 @@ def bench_shape(experts: int, hidden: int, top_k: int, bandwidth: float, gen: to
         def layers(fn, **kw):
             return lambda: [fn(x, w, top_k, **kw) for w in routers]
 
-        t_triton = graph_time(layers(route_triton)) / layers_per_graph
-        t_twin = graph_time(layers(route_torch)) / layers_per_graph
-        t_topk = graph_time(layers(topk_sequence)) / layers_per_graph
+        t_triton = graph_seconds(layers(route_triton)) / layers_per_graph
+        t_twin = graph_seconds(layers(route_torch)) / layers_per_graph
+        t_topk = graph_seconds(layers(topk_sequence)) / layers_per_graph
         sweep = []
         default = default_blocks(rows, experts, hidden)
         for blocks in SWEEP:
             if blocks.block_n != default.block_n or blocks == default or time.time() - start > SWEEP_UNTIL_S:
                 continue
             ids, _ = route_triton(x, routers[0], top_k, blocks=blocks)
-            us = 1e6 * graph_time(layers(route_triton, blocks=blocks)) / layers_per_graph
+            us = 1e6 * graph_seconds(layers(route_triton, blocks=blocks)) / layers_per_graph
             sweep.append({"blocks": asdict(blocks), "us": us,
                           "ids_equal": bool(torch.equal(ids, route_torch(x, routers[0], top_k)[0]))})
         results.append({
