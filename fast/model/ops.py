@@ -7,7 +7,10 @@ whose default sends CUDA tensors to it and everything else to the torch form
 (``gated_delta_rule``: fast/kernels/gdn_recurrent.py and gdn_prefill.py; ``paged_attention``:
 fast/kernels/paged_attention.py for decode and verify steps; ``moe_experts``: fast/kernels/moe.py
 for decode and verify steps). Other kernels plug in with the same signatures (token-major rows at
-the boundary, :class:`StepMeta` for the sequence layout);
+the boundary, :class:`StepMeta` for the sequence layout). Fused kernels that replace a sequence of
+these ops, not one op, are chosen inside the modules on CUDA: with the default ``causal_conv1d``,
+a GDN decode or verify step runs the conv, the gates and the L2 norms as one prologue kernel
+(fast/kernels/gdn_prologue.py), and the norms, RoPE and output gate have fused kernels too;
 ``replace(DEFAULT_OPS, gated_delta_rule=gated_delta_rule_torch)`` keeps the torch form on CUDA too.
 
 - ``paged_attention(q [N, H, D], key_cache [S, Hkv, D], value_cache [S, Hkv, D], meta) -> [N, H, D]``
