@@ -4,8 +4,10 @@ and the whole speculative step function (propose -> verify forward -> verify -> 
 
 On CPU ``CapturedStep.replay`` runs the step function on the static fields, so everything the graphs
 replay on the GPU runs here except the capture itself (conformance/gpu/test_cuda_graphs.py does that).
-The tokens must be the plain eager engine's, greedy and sampled (same keyed randomness), off / MTP /
-DFlash, dense and MoE.
+The tokens must be the plain eager engine's (same keyed randomness), off / MTP / DFlash, dense and
+MoE: mixed greedy and sampled requests (plain decode replays the target forward; speculative steps
+with a sampled request verify eagerly, ``ModelRunner._verify_graphed``), and all-greedy requests,
+whose speculative steps replay the whole step function.
 """
 
 from __future__ import annotations
