@@ -373,10 +373,7 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
         choices, completion_tokens = [], 0
         for index in range(body.n):
             deltas = results[index]
-            last = deltas[-1]
-            if last.finish_reason not in ("stop", "length"):
-                raise server.internal_error(last)
-            tokens = [t for d in deltas for t in d.token_ids]
+            last, tokens = _finished(server, deltas)
             completion_tokens += len(tokens)
             choice = {"index": index, "message": {"role": "assistant", "content": last.text},
                       "logprobs": None, "finish_reason": last.finish_reason}
@@ -406,10 +403,7 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
         choices, completion_tokens = [], 0
         for index in range(len(prompts) * body.n):
             deltas = results[index]
-            last = deltas[-1]
-            if last.finish_reason not in ("stop", "length"):
-                raise server.internal_error(last)
-            tokens = [t for d in deltas for t in d.token_ids]
+            last, tokens = _finished(server, deltas)
             completion_tokens += len(tokens)
             choice = {"index": index, "text": last.text, "logprobs": None, "finish_reason": last.finish_reason}
             if body.logprobs is not None:
@@ -424,6 +418,15 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
                              "usage": _usage(sum(len(x) for x in prompts), completion_tokens)})
 
     return app
+
+
+def _finished(server: Server, deltas: list) -> tuple:
+    """A collected request's last delta and all its tokens; a request that did not end in "stop" or
+    "length" (an error inside the engine) is the server's error response instead."""
+    last = deltas[-1]
+    if last.finish_reason not in ("stop", "length"):
+        raise server.internal_error(last)
+    return last, [t for d in deltas for t in d.token_ids]
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
