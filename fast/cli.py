@@ -4,7 +4,8 @@
                  executable spec instead; the flags, ``--json`` and ``--trace`` are the same);
 ``ft serve``     an OpenAI-compatible server on the fast engine (``fast/serve/``), with the engine
                  and speculative flags of ``ft generate``;
-``ft make-tiny`` write a tiny random checkpoint in real HF format (tests, demos).
+``ft make-tiny`` write a tiny random checkpoint in real HF format (tests, demos);
+``ft bench``     benchmarks at real shapes (``bench/``); ``ft train`` the training recipe (``train/``).
 
 User errors (bad paths, configs, checkpoints, sampling parameters) print one line to stderr and
 exit with status 2; anything else is a bug and keeps its traceback. Flag defaults are read from
@@ -41,7 +42,8 @@ def _prompt_ids(text: str) -> list[int]:
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="decode one prompt")
-    p.add_argument("--model", required=True, help="target checkpoint folder (HF format)")
+    p.add_argument("--model", default=None,
+                   help="target checkpoint folder (HF format; default: the bundled trained pair, models/)")
     p.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
                    help="which implementation runs the model (default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)
@@ -68,7 +70,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI API (chat and text completions) on the fast engine")
-    p.add_argument("--model", default=None, help="target checkpoint folder (HF format)")
+    p.add_argument("--model", default=None,
+                   help="target checkpoint folder (HF format; default: the bundled trained pair, models/)")
     p.add_argument("--speculative-algorithm", choices=ALGORITHMS, default="none")
     p.add_argument("--speculative-draft-model-path", default=None, help="DFlash 2 draft checkpoint folder")
     p.add_argument("--speculative-num-steps", type=int, default=None,
@@ -149,12 +152,17 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise UserInputError("--chat: expected --prompt text (it cannot wrap --prompt-ids)")
     if args.engine == "fast":
         runner = _FastRunner(args)
+        args.model = runner.model_path
     else:
         if args.load_format != "auto":
             raise UserInputError(f"load_format={args.load_format!r}: the reference engine reads the checkpoint's "
                                  "tensors; expected 'auto' (dummy weights are for --engine fast)")
+        from dflash2.models import resolve_model_paths
+
+        args.model, draft = resolve_model_paths(args.model, args.speculative_algorithm,
+                                                args.speculative_draft_model_path)
         runner = ReferenceRunner(args.model, speculative_algorithm=args.speculative_algorithm,
-                                 draft_model_path=args.speculative_draft_model_path,
+                                 draft_model_path=draft,
                                  num_steps=args.speculative_num_steps)
     if args.prompt is not None:
         prompt_ids = runner.encode(args.prompt, chat=args.chat)
@@ -231,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dflash2.bench.cli import add_bench  # the benchmark lives in bench/ (dflash2.bench)
 
     add_bench(sub)
+    from dflash2.train.cli import add_train  # the training recipe lives in train/ (dflash2.train)
+
+    add_train(sub)
     return parser
 
 

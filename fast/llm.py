@@ -6,7 +6,8 @@
     out = llm.generate([ids], SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9))[0]
     out.token_ids, out.text, out.finish_reason, out.stats
 
-``dtype`` None picks bfloat16 on CUDA and float32 on CPU (CPU bf16 is slow, and the CPU lane is
+``model_path`` None loads the bundled trained pair (``models/``; its draft too when ``dflash`` is
+asked for with no draft path). ``dtype`` None picks bfloat16 on CUDA and float32 on CPU (CPU bf16 is slow, and the CPU lane is
 where the engine is held token for token to the fp32 reference); a torch dtype or its name
 overrides. ``device`` None picks CUDA when a GPU is visible. Any other ``EngineConfig`` field can be
 passed by name. An unfit checkpoint or draft is refused here, with the reference's errors; a bad
@@ -29,16 +30,19 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
 
 class LLM:
-    def __init__(self, model_path: str | Path, dtype: torch.dtype | str | None = None, max_running_req: int = 4,
+    def __init__(self, model_path: str | Path | None = None, dtype: torch.dtype | str | None = None, max_running_req: int = 4,
                  speculative_algorithm: str | None = None, speculative_draft_model_path: str | Path | None = None,
                  speculative_num_steps: int | None = None, device: str | torch.device | None = None,
                  trace: bool = False, **engine_args):
+        from dflash2.models import resolve_model_paths
+
+        model_path, speculative_draft_model_path = resolve_model_paths(model_path, speculative_algorithm,
+                                                                       speculative_draft_model_path)
         config = EngineConfig(
-            model_path=str(model_path), dtype=AUTO if dtype is None else dtype,
+            model_path=model_path, dtype=AUTO if dtype is None else dtype,
             device=AUTO if device is None else str(device), max_running_req=max_running_req,
             speculative_algorithm=speculative_algorithm or "none",
-            speculative_draft_model_path=None if speculative_draft_model_path is None
-            else str(speculative_draft_model_path),
+            speculative_draft_model_path=speculative_draft_model_path,
             speculative_num_steps=speculative_num_steps, **engine_args)
         self._start(config, trace)
 

@@ -24,6 +24,8 @@ mkdir -p "$out" /tmp/pkg/dflash2
 ln -sfn "$repo/reference" /tmp/pkg/dflash2/reference
 ln -sfn "$repo/fast" /tmp/pkg/dflash2/fast
 ln -sfn "$repo/bench" /tmp/pkg/dflash2/bench
+ln -sfn "$repo/train" /tmp/pkg/dflash2/train
+ln -sfn "$repo/models" /tmp/pkg/dflash2/models
 export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -134,8 +134,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig an ``ft generate`` command line asks for."""
-    return EngineConfig(model_path=args.model, speculative_algorithm=args.speculative_algorithm,
-                        speculative_draft_model_path=args.speculative_draft_model_path,
+    """The EngineConfig an ``ft generate`` command line asks for (no ``--model``: the bundled pair)."""
+    from dflash2.models import resolve_model_paths
+
+    model, draft = resolve_model_paths(args.model, args.speculative_algorithm, args.speculative_draft_model_path)
+    return EngineConfig(model_path=model, speculative_algorithm=args.speculative_algorithm,
+                        speculative_draft_model_path=draft,
                         speculative_num_steps=args.speculative_num_steps,
                         **{name: getattr(args, name) for name in ENGINE_FLAGS})

@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 from dflash2.reference.formats.errors import UserInputError
 from dflash2.reference.request.sampling_params import SamplingParams
@@ -85,13 +86,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    if args.model is None:
-        raise UserInputError("--model: expected a checkpoint folder (there is no bundled trained default model "
-                             "yet; `ft make-tiny --out runs/tiny-dense` writes a tiny random one)")
     if not (isinstance(args.drain_timeout, (int, float)) and args.drain_timeout >= 0):
         raise UserInputError(f"drain_timeout={args.drain_timeout!r}: expected a number of seconds >= 0")
     config = engine_config_from_args(args)
-    settings = ServeSettings(served_model_name=args.served_model_name or args.model, api_key=args.api_key,
+    default_name = args.model or Path(config.model_path).parent.name  # the bundled pair's name
+    settings = ServeSettings(served_model_name=args.served_model_name or default_name, api_key=args.api_key,
                              max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes)
     sock = _bind(args.host, args.port)  # first: a port in use should not wait for the model to load
     host, port = sock.getsockname()[:2]

@@ -311,7 +311,6 @@ def test_draft_tensor_of_the_wrong_shape(ft, forward_calls, made, draft_copy):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["generate", "--prompt-ids", "1"], "--model"),
     (["generate", "--model", "m", "--prompt-ids", "1,x"], "--prompt-ids"),
     (["generate", "--model", "m", "--prompt-ids", "1", "--prompt", "a"], "not allowed with"),
     (["generate", "--model", "m", "--prompt-ids", "1", "--temperature", "hot"], "--temperature"),
