@@ -341,7 +341,8 @@ class DFlashDrafter:
 
     def propose(self, anchor_tokens: Tensor, anchor_positions: Tensor, slots: Tensor, block_tables: Tensor, k: int,
                 st: SamplingTensors):
-        return self.proposer.propose(anchor_tokens, anchor_positions, slots, k, st.greedy, st.temperature, st.seeds)
+        return self.proposer.propose(anchor_tokens, anchor_positions, slots, k, st.greedy, st.temperature, st.seeds,
+                                     all_greedy=st.all_greedy)
 
 
 class MTPDrafter:

@@ -23,7 +23,8 @@ slots, fp64, on ``row_filter.kept_weights_torch``) and ``verify_triton``: ``row_
 over all B*(k+1) rows (max, argmax, cut, kept mass), then one program per request walks the k
 slots on scalars, reading p_i(y_i) from a single logit, and ``sampler._draw_kernel`` makes the final
 draw over (request, chunk) programs, building the scatter of q over the vocabulary on the fly from
-the K candidates (no [B, k, V] tensor). A batch of greedy requests is one argmax pass and the walk.
+the K candidates (no [B, k, V] tensor). In both, a batch the host knows is all greedy
+(``SamplingTensors.all_greedy``) is one argmax pass and the prefix match: no filter, no uniforms.
 No launch waits on the host (CUDA-graph capturable).
 """
 
@@ -78,6 +79,8 @@ def verify_torch(target_logits: Tensor, st: SamplingTensors, draft_tokens: Tenso
 
     argmax = torch.argmax(logits, dim=-1)  # [B, k+1]
     greedy_acc = torch.cumprod((drafts == argmax[:, :k]).long(), dim=1).sum(dim=1)
+    if st.all_greedy:  # the host knows no request samples: no filter, no draws (as verify_triton)
+        return greedy_acc, _emitted(drafts, greedy_acc, argmax[rows, greedy_acc])
 
     weights = kept_weights_torch(logits.reshape(batch * (k + 1), vocab), st, rows_per_request=k + 1)[1]
     probs = weights.reshape(batch, k + 1, vocab)

@@ -13,8 +13,8 @@ slots hold (stale rows, NaN poison) cannot leak.
 Layout at the boundary is token-major: q ``[B*S, H, D]``, block_k/block_v ``[B*S, Hkv, D]``; the
 output is ``[B*S, H, D]`` in q's dtype.
 
-``ring_attention_torch`` gathers the W-1 window rows and runs a masked softmax (CPU, or any
-device as a fallback). ``ring_attention_triton``: one program per (block, KV head) holds the
+``ring_attention_torch`` gathers the window rows and runs a masked softmax (CPU, or any device as
+a fallback); on the CPU it gathers only from the first position >= 0 of the batch's latest anchor. ``ring_attention_triton``: one program per (block, KV head) holds the
 S * H/Hkv query rows of that group as one tile, takes the block's own keys first (every row sees
 them, so the running max is finite from the start) and then the context window in BLOCK_N chunks
 with an online softmax, skipping chunks that lie entirely before position 0.
@@ -60,11 +60,15 @@ def ring_attention_torch(q: Tensor, block_k: Tensor, block_v: Tensor, ring_k: Te
     group = heads // kv_heads
     device = q.device
     ctx = window - 1
-    t = torch.arange(ctx, device=device)
-    ctx_pos = anchor_positions[:, None] - ctx + t[None, :]  # [B, W-1]
+    # On the CPU the anchors are host values: skip the leading t that lie before position 0 in every
+    # block (a short context reads a few rows, not W-1). Masked rows weigh exactly 0, so this only
+    # shortens the softmax; elsewhere the full window keeps the shapes free of host reads.
+    first = max(0, ctx - int(anchor_positions.max())) if anchor_positions.device.type == "cpu" else 0
+    t = torch.arange(first, ctx, device=device)
+    ctx_pos = anchor_positions[:, None] - ctx + t[None, :]  # [B, T] with T = W-1-first
     readable = ctx_pos >= 0
     slot = torch.remainder(ctx_pos, capacity)
-    ctx_k = ring_k[ring_slots[:, None], slot].float()  # [B, W-1, Hkv, D]
+    ctx_k = ring_k[ring_slots[:, None], slot].float()  # [B, T, Hkv, D]
     ctx_v = ring_v[ring_slots[:, None], slot].float()
     ctx_k = torch.where(readable[..., None, None], ctx_k, 0.0)
     ctx_v = torch.where(readable[..., None, None], ctx_v, 0.0)

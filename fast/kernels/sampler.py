@@ -15,8 +15,10 @@ Two implementations:
 - Triton (``target_probs_triton``, ``sample_triton``): ``row_filter.filter_triton`` finds each row's cut
   without sorting, then one pass over (row, chunk) programs writes the probabilities, or sums the
   kept weight of each chunk; the row's last program picks the chunk where u * Z falls and scans that
-  chunk alone for the token (``_draw_kernel``, shared with the verifier's final draw). A batch whose
-  rows are all greedy is one argmax. No launch waits on the host (CUDA-graph capturable).
+  chunk alone for the token (``_draw_kernel``, shared with the verifier's final draw). No launch
+  waits on the host (CUDA-graph capturable).
+
+In both, a batch the host knows is all greedy (``SamplingTensors.all_greedy``) is one argmax.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ def draw_torch(weights: Tensor, u: Tensor) -> Tensor:
 def sample_torch(logits: Tensor, st: SamplingTensors, positions: Tensor, purpose: int = Purpose.SAMPLE,
                  slots: Tensor | int = 0) -> Tensor:
     """One keyed draw per row from its target distribution  # logits [B, V] -> tokens [B] long."""
+    if st.all_greedy:  # the host knows every row is greedy: its draw is the argmax (as sample_triton)
+        return torch.argmax(logits, dim=-1)
     u = keyed_uniform_torch(st.seeds, positions, int(purpose), slots)
     return draw_torch(kept_weights_torch(logits, st)[1], u)
 

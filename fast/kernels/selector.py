@@ -10,8 +10,10 @@ For request b and slot i = 1..k (draft row i, logits row i-1)::
     y_i = C_i[j*]
 
 Two implementations with one result type (``SelectorBatch``):
-- ``select_torch``: a stable sort for the candidates and the walk batched over requests (the loop is
-  over the k <= S-1 slots, which depend on each other).
+- ``select_torch``: the candidates by ``top_candidates_torch`` (a top-k over unique int64 order keys,
+  not a sort of the vocabulary) and the walk batched over requests (the loop is over the k <= S-1
+  slots, which depend on each other). With ``all_greedy`` (the host knows every request is greedy)
+  the walk skips the softmax and the keyed draws: the same picks, one-hot q.
 - ``select_triton``: three kernels. (1) block top-K: each program takes BLOCK_V logits of one row
   and extracts its K_sel best in (logit desc, id asc) order; (2) merge: one program per row picks
   the K_sel best of the block winners (equal logits come out in block order, which is id order);
@@ -54,16 +56,36 @@ def _check(draft_logits: Tensor, hidden: Tensor, k: int, top_k: int) -> None:
         raise ValueError(f"top_k={top_k}: expected 1 .. {vocab}")
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def top_candidates_torch(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """The top_k logits of each row in (logit desc, id asc) order: exactly the first top_k of a stable
+    descending sort (NaN first, -0.0 and 0.0 one value)  # [..., V] -> (values fp32, ids long) [..., top_k].
+
+    Each token gets a unique int64 key ``ord(x) * 2^31 + (2^31 - 1 - id)``, ord the fp32 bits as an
+    int32 that increases with x, so one ``torch.topk`` of the keys has no ties to break.
+    """
+    x = logits.float()
+    bits = (x + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
+    order = torch.where(bits < 0, bits ^ _INT32_MAX, bits)  # negative floats: flip the magnitude bits
+    order = torch.where(torch.isnan(x), _INT32_MAX, order)  # every NaN above +inf, as torch.sort ranks them
+    ids = torch.arange(x.shape[-1], device=x.device)
+    keys = (order.long() << 31) + (_INT32_MAX - ids)
+    top = torch.topk(keys, top_k, dim=-1).indices
+    return x.gather(-1, top), top
+
+
 def select_torch(draft_logits: Tensor, hidden: Tensor, projection: Tensor, predecessor_codebook: Tensor,
                  successor_codebook: Tensor, anchor_tokens: Tensor, k: int, top_k: int, temperature: Tensor,
-                 greedy: Tensor, seeds: Tensor, anchor_positions: Tensor) -> SelectorBatch:
+                 greedy: Tensor, seeds: Tensor, anchor_positions: Tensor, all_greedy: bool = False) -> SelectorBatch:
     """draft_logits [B, S-1, V], hidden [B, S, C], projection [r, C], codebooks [V, r], anchor_tokens,
-    temperature (fp32), greedy (bool), seeds (int64 bits), anchor_positions: each [B]; k slots, K_sel = top_k."""
+    temperature (fp32), greedy (bool), seeds (int64 bits), anchor_positions: each [B]; k slots, K_sel = top_k.
+    ``all_greedy``: the host knows ``greedy`` is all true (``HostSummary``), so no draw is made."""
     _check(draft_logits, hidden, k, top_k)
     batch = draft_logits.shape[0]
     device = draft_logits.device
-    values, ids = torch.sort(draft_logits[:, :k].float(), dim=-1, descending=True, stable=True)
-    cand_ids, unary = ids[..., :top_k], values[..., :top_k]  # [B, k, K]
+    unary, cand_ids = top_candidates_torch(draft_logits[:, :k], top_k)  # [B, k, K]
     projected = hidden[:, 1:k + 1].float() @ projection.float().T  # [B, k, r]
     successors = successor_codebook.float()[cand_ids]  # [B, k, K, r]
     temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
@@ -73,11 +95,15 @@ def select_torch(draft_logits: Tensor, hidden: Tensor, projection: Tensor, prede
     for i in range(k):
         pred = predecessor_codebook.float()[prev] * projected[:, i]  # [B, r]
         sigma = unary[:, i] + (successors[:, i] @ pred[:, :, None])[..., 0]  # [B, K]
-        q = torch.softmax(sigma / temperature[:, None], dim=-1)
-        u = keyed_uniform_torch(seeds, anchor_positions, int(Purpose.SELECTOR), i + 1)
-        pick = torch.where(greedy, torch.argmax(sigma, dim=-1), draw_torch(q, u))
-        one_hot = torch.zeros_like(q).scatter_(-1, pick[:, None], 1.0)
-        probs.append(torch.where(greedy[:, None], one_hot, q))
+        if all_greedy:
+            pick = torch.argmax(sigma, dim=-1)
+            probs.append(torch.zeros_like(sigma).scatter_(-1, pick[:, None], 1.0))
+        else:
+            q = torch.softmax(sigma / temperature[:, None], dim=-1)
+            u = keyed_uniform_torch(seeds, anchor_positions, int(Purpose.SELECTOR), i + 1)
+            pick = torch.where(greedy, torch.argmax(sigma, dim=-1), draw_torch(q, u))
+            one_hot = torch.zeros_like(q).scatter_(-1, pick[:, None], 1.0)
+            probs.append(torch.where(greedy[:, None], one_hot, q))
         prev = cand_ids[rows, i, pick]
         tokens.append(prev)
         sigmas.append(sigma)
@@ -215,7 +241,10 @@ def select_triton(draft_logits: Tensor, hidden: Tensor, projection: Tensor, pred
     return SelectorBatch(tokens, cand_ids, probs, sigma)
 
 
-def select(*args, **kwargs) -> SelectorBatch:
-    """The engine's entry point (``select_torch``'s arguments): Triton on CUDA, torch elsewhere."""
+def select(*args, all_greedy: bool = False, **kwargs) -> SelectorBatch:
+    """The engine's entry point (``select_torch``'s arguments): Triton on CUDA, torch elsewhere.
+    ``all_greedy`` (host knowledge) only shortens the torch walk; the Triton walk needs no hint."""
     logits = args[0] if args else kwargs["draft_logits"]
-    return select_triton(*args, **kwargs) if use_triton(logits) else select_torch(*args, **kwargs)
+    if use_triton(logits):
+        return select_triton(*args, **kwargs)
+    return select_torch(*args, all_greedy=all_greedy, **kwargs)

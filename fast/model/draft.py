@@ -50,6 +50,9 @@ if TYPE_CHECKING:
     from dflash2.fast.speculative.ring_pool import RingPool
 
 K_TILE_ROWS = 256  # rows per fixed-shape GEMM; each tile reads the whole projection weight once
+# On the CPU a verify step observes k+1 rows: a 256-row tile would multiply ~30x more padding than
+# rows there. Any fixed shape is batch invariant; MKL gives the 16- and 256-row tiles the same bits.
+CPU_TILE_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -60,12 +63,15 @@ class DraftBlocks:
     logits: Tensor  # [B, S-1, V] fp32: rows 1..S-1 (slot i is logits[:, i-1])
 
 
-def batch_invariant_linear(x: Tensor, weight: Tensor, tile_rows: int = K_TILE_ROWS) -> Tensor:
+def batch_invariant_linear(x: Tensor, weight: Tensor, tile_rows: int | None = None) -> Tensor:
     """``x @ weight.T`` with each row's bits independent of the other rows  # x [N, C], weight [O, C] -> [N, O].
 
     The rows are padded to whole tiles and each tile is one matmul [tile_rows, C] x [C, O]: the
     same kernel for every tile of every call, and a GEMM's output row reads its own input row only.
+    ``tile_rows`` defaults to the device's fixed tile (``CPU_TILE_ROWS`` on the CPU, else ``K_TILE_ROWS``).
     """
+    if tile_rows is None:
+        tile_rows = CPU_TILE_ROWS if x.device.type == "cpu" else K_TILE_ROWS
     n = x.shape[0]
     tiles = -(-n // tile_rows)
     if tiles == 0:

@@ -81,13 +81,17 @@ def gated_delta_rule_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     q, k = (meta.pad(t.float().repeat_interleave(ratio, dim=1)) for t in (q, k))  # [B, Tq, Hv, Dk]
     v, g, beta = (meta.pad(t.float()) for t in (v, g, beta))  # [B, Tq, Hv, Dv], [B, Tq, Hv] x2
     s = state.float().clone()  # [B, Hv, Dk, Dv]
+    # the per-step products as [1, Dk] @ [Dk, Dv] matmuls: the bmm einsum would run, without its
+    # parsing (which cost more than the arithmetic at decode sizes); the decays in one exp
+    decay = torch.exp(g)[..., None, None]  # [B, Tq, Hv, 1, 1]
+    k_rows, q_rows = k[..., None, :], q[..., None, :]  # [B, Tq, Hv, 1, Dk]
     outputs = []
     for t in range(meta.max_query_len):
-        s = torch.exp(g[:, t])[..., None, None] * s  # S'_t
-        predicted = torch.einsum("bhkv,bhk->bhv", s, k[:, t])  # S'_t^T k_t        [B, Hv, Dv]
+        s = decay[:, t] * s  # S'_t
+        predicted = (k_rows[:, t] @ s)[..., 0, :]  # S'_t^T k_t                     [B, Hv, Dv]
         u = beta[:, t, :, None] * (v[:, t] - predicted)  # u_t                       [B, Hv, Dv]
         s = s + k[:, t, :, :, None] * u[:, :, None, :]  # S_t = S'_t + k_t u_t^T     [B, Hv, Dk, Dv]
-        outputs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))  # o_t = S_t^T q_t
+        outputs.append((q_rows[:, t] @ s)[..., 0, :])  # o_t = S_t^T q_t
         if row_states is not None:
             row_states[:meta.num_seqs, t] = s
     return meta.unpad(torch.stack(outputs, dim=1)), s

@@ -77,12 +77,13 @@ class FastDFlashProposer:
     # -- before every verify ----------------------------------------------------------------------
 
     def propose(self, anchor_tokens: Tensor, anchor_positions: Tensor, slots: Tensor, k: int, greedy: Tensor,
-                temperatures: Tensor, seeds: Tensor) -> DraftProposal:
+                temperatures: Tensor, seeds: Tensor, all_greedy: bool = False) -> DraftProposal:
         """k drafts for each of B requests: anchor t0 (committed, not yet run through the target) at s.
 
         anchor_tokens, anchor_positions, slots: ``[B]`` long; greedy: ``[B]`` bool; temperatures:
         ``[B]`` float (> 0 where not greedy); seeds: ``[B]`` int64 (uint64 bit patterns, see
         ``fast/kernels/philox.seeds_tensor``). k: 1 .. block_size - 1, the same for the batch.
+        ``all_greedy``: the host knows every request is greedy (the torch walk then draws nothing).
         """
         if not 1 <= k <= self.cfg.block_size - 1:
             raise ValueError(f"k={k}: expected 1 .. {self.cfg.block_size - 1} (block_size - 1)")
@@ -91,7 +92,7 @@ class FastDFlashProposer:
         blocks = self.draft.forward_blocks(anchor_tokens, anchor_positions, self.ring, slots)
         walk = select(blocks.logits, blocks.hidden, self.hidden_projection, self.predecessor_codebook,
                       self.successor_codebook, anchor_tokens, k, self.cfg.selector_top_k, temperatures.float(),
-                      greedy, seeds, anchor_positions)
+                      greedy, seeds, anchor_positions, all_greedy=all_greedy)
         return DraftProposal(walk.tokens, walk.cand_ids, walk.draft_probs)
 
     # -- prefix cache -----------------------------------------------------------------------------
