@@ -179,9 +179,7 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         try:
-            device = engine.model.pools.device
-            if device.type == "cuda":  # a new thread starts on device 0; the engine may live elsewhere
-                torch.cuda.set_device(device)
+            bind_thread_to(engine.model.pools.device)
             while True:
                 out: list[tuple[RequestGroup, RequestDelta]] = []
                 stop = False
@@ -245,3 +243,13 @@ class EngineLoop:
                 logger.exception("request %d: abort failed", rid)
             out.append((self._groups.pop(rid), delta or RequestDelta(rid, [], True, reason, error=error)))
         return out
+
+
+def bind_thread_to(device: torch.device) -> None:
+    """Make the calling (engine) thread's current CUDA device the engine's.
+
+    A new thread starts on device 0; an engine on ``cuda:N`` lives elsewhere. A bare ``cuda``
+    names no index (``set_device`` refuses it) and means the current device, already right.
+    """
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)

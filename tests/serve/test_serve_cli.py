@@ -68,10 +68,16 @@ def test_sigterm_drains_a_running_stream_and_exits_cleanly(tiny):
         httpx.get(url + "/health", timeout=5)
 
 
-def test_a_missing_model_is_a_one_line_error(capsys):
-    assert main(["serve"]) == 2
+def test_a_missing_model_is_a_one_line_error(capsys, tmp_path, monkeypatch):
+    assert main(["serve", "--model", str(tmp_path / "nowhere"), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "--model" in err and "ft make-tiny" in err
+    assert err.count("\n") == 0 and "nowhere" in err
+    from dflash2 import models
+
+    monkeypatch.setattr(models, "ROOT", tmp_path)  # no --model and no bundled pair installed
+    assert main(["serve", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--model" in err and "bundled default is missing" in err
 
 
 def test_a_port_in_use_is_a_one_line_error(tiny, capsys):
