@@ -64,6 +64,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-num-steps", type=int, default=None,
                    help="drafts per verify step k (default: block_size - 1 for dflash, 3 for mtp)")
     p.add_argument("--trace", default=None, help="write one JSON line per verify step to this file")
+    p.add_argument("--compare-plain", action="store_true",
+                   help="also decode the prompt without speculation and print the speedup (fast engine)")
     add_engine_args(p.add_argument_group("fast engine (EngineConfig)"))
     p.set_defaults(func=_run_generate)
 
@@ -150,6 +152,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise UserInputError(f"n={args.n}: expected an integer >= 1")
     if args.chat and args.prompt is None:
         raise UserInputError("--chat: expected --prompt text (it cannot wrap --prompt-ids)")
+    if args.compare_plain and (args.engine != "fast" or args.speculative_algorithm == "none" or args.n != 1):
+        raise UserInputError(f"compare_plain: expected --engine fast, a --speculative-algorithm other than none and "
+                             f"--n 1 (got engine {args.engine!r}, algorithm {args.speculative_algorithm!r}, n {args.n})")
     if args.engine == "fast":
         runner = _FastRunner(args)
         args.model = runner.model_path
@@ -172,6 +177,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     trace = _open_trace(args.trace) if args.trace else None  # a bad path fails before, not after, generating
     try:
         if args.engine == "fast":  # the --n samples run as one continuous batch
+            if args.compare_plain:  # first-call costs stay out of the timed run, as on the plain side
+                from .compare import WARMUP_TOKENS
+
+                runner.generate_all(prompt_ids, [replace(params, max_tokens=WARMUP_TOKENS)])
             results = runner.generate_all(prompt_ids, [replace(params, seed=seed) for seed in seeds])
         else:
             results = [runner.generate(prompt_ids, replace(params, seed=seed)) for seed in seeds]
@@ -182,6 +191,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     finally:
         if trace is not None:
             trace.close()
+    comparison = None
+    if args.compare_plain:
+        from .compare import compare_with_plain
+
+        comparison = compare_with_plain(runner.llm, prompt_ids, params, results[0])
     if args.json:
         speculative = args.speculative_algorithm != "none"
         samples = [_sample_json(i, seed, r, speculative) for i, (seed, r) in enumerate(zip(seeds, results))]
@@ -189,10 +203,14 @@ def _run_generate(args: argparse.Namespace) -> int:
                           "num_steps": runner.num_steps, "prompt_token_ids": list(prompt_ids),
                           "token_ids": results[0].token_ids, "text": results[0].text,
                           "finish_reason": results[0].finish_reason, "timing": results[0].timing,
-                          "samples": samples}))
+                          "samples": samples, **({"comparison": comparison} if comparison else {})}))
     else:
         for result in results:
             print(result.text)
+        if comparison:
+            from .compare import format_comparison
+
+            print("\n" + format_comparison(comparison))
     return 0
 
 
