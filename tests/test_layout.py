@@ -7,6 +7,8 @@
   engine computes everything itself, and conformance/ compares the two.
 - The one deliberate exception: ``ft generate --engine reference`` dispatches to the executable
   spec's runner from ``fast/cli.py``.
+- ``train/`` (the training recipe) and ``models/`` (the bundled pair) follow the fast engine's
+  rule: ``train/model/`` holds differentiable twins, tested against the reference in tests/train.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 SHARED_REFERENCE_PACKAGES = {"formats", "tiny", "request"}
+PACKAGES = ("reference", "fast", "bench", "train", "models")  # top folders installed as dflash2.<name>
 REFERENCE_DISPATCH = {("fast/cli.py", "dflash2.reference.runner")}
 
 
 def imported_modules(path: Path) -> list[str]:
     """Absolute dotted names a file imports; relative imports resolved against its package."""
     rel = path.relative_to(ROOT).with_suffix("")
-    package = ["dflash2", *rel.parts[:-1]] if rel.parts[0] in ("reference", "fast") else list(rel.parts[:-1])
+    package = ["dflash2", *rel.parts[:-1]] if rel.parts[0] in PACKAGES else list(rel.parts[:-1])
     tree = ast.parse(path.read_text(), filename=str(path))
     names = []
     for node in ast.walk(tree):
@@ -65,6 +68,11 @@ def fast_offenders(paths: list[Path]) -> list[str]:
 
 def test_fast_imports_only_the_shared_reference_packages():
     assert fast_offenders(python_files("fast")) == []
+
+
+def test_train_and_models_import_only_the_shared_reference_packages():
+    """The recipe trains its own twins (train/model/); the reference's compute is only its tests' oracle."""
+    assert fast_offenders(python_files("train") + python_files("models")) == []
 
 
 def test_every_reference_module_lives_in_a_package_or_is_a_loop():
