@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
 from dflash2.reference.formats.errors import UserInputError
@@ -62,7 +61,8 @@ def _recipe(args):
         recipe = replace(recipe, compile=True)
     if args.seconds is not None:
         recipe = replace(recipe, target_stage=replace(recipe.target_stage, seconds=args.seconds),
-                         draft_stage=replace(recipe.draft_stage, seconds=args.seconds))
+                         draft_stage=replace(recipe.draft_stage, seconds=args.seconds),
+                         refine_stage=replace(recipe.refine_stage, seconds=args.seconds))
     return recipe
 
 
@@ -124,11 +124,12 @@ def _run_stage(stage: str, args: argparse.Namespace) -> None:
         info = train_tokenizer(corpus, tokenizer_dir, vocab_size=recipe.vocab_size)
         _log(f"tokenizer: {info.vocab_size} ids written to {tokenizer_dir}")
         return
-    from .export import tokenizer_ids
-
-    ids = tokenizer_ids(tokenizer_dir)
     if stage in ("target", "draft", "refine"):
         from .data import load_or_tokenize
+        from .export import tokenizer_ids
+
+        _need(tokenizer_dir / "tokenizer.json", stage, "tokenizer")
+        ids = tokenizer_ids(tokenizer_dir)
 
         device = _device(args)
         train = load_or_tokenize(run, corpus, tokenizer_dir, "train")
@@ -175,14 +176,12 @@ def _run_stage(stage: str, args: argparse.Namespace) -> None:
         return
     if stage == "export":
         if args.out is None:
-            print("ft train export: error: --out is required", file=sys.stderr)
-            raise SystemExit(2)
+            raise UserInputError("out: expected --out FOLDER (it receives target/ and draft/)")
         out = Path(args.out)
         final = final_stage(run)
         for name, src in (("target", final / "target"), ("draft", final / "model")):
             if not (src / "config.json").exists():
-                print(f"ft train export: error: {src} has no model; run the draft stage first", file=sys.stderr)
-                raise SystemExit(2)
+                raise UserInputError(f"{src}: no model folder; run `ft train draft` first")
             shutil.rmtree(out / name, ignore_errors=True)
             shutil.copytree(src, out / name)
         _log(f"export: {out}/target and {out}/draft")

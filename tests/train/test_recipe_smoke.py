@@ -106,3 +106,10 @@ def test_evaluate_and_export(smoke_run, tmp_path):
     out = tmp_path / "pair"
     assert ft(["train", "export", "--run", str(run), "--out", str(out)]) == 0
     assert (out / "target" / "config.json").exists() and (out / "draft" / "model.safetensors").exists()
+
+
+def test_stage_order_errors_are_one_line(tmp_path, capsys):
+    assert ft(["train", "export", "--run", str(tmp_path / "run")]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert ft(["train", "export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "o")]) == 2
+    assert "no finished draft stage" in capsys.readouterr().err
