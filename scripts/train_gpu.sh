@@ -4,10 +4,14 @@
 #
 #   bash scripts/train_gpu.sh target          # [SMOKE=1: a 30 s target + 20 s draft smoke run first]
 #   bash scripts/train_gpu.sh draft           # needs runs/train/target/ (unpacked from the last call)
-#   bash scripts/train_gpu.sh evaluate
+#   bash scripts/train_gpu.sh refine          # needs runs/train/draft/
+#   bash scripts/train_gpu.sh evaluate        # the last finished of refine/ or draft/
 #
-# Carry `.corpus` and `runs/train` (tokenizer, finished stages' models; not the token caches or
-# stage states, which are rebuilt or not needed: `bash scripts/train_pack.sh carry` prunes them).
+# Carry `.corpus`, `runs/train/recipe.json`, `runs/train/tokenizer` and only the finished stage the
+# next one reads (`runs/train/target` for draft, `runs/train/draft` for refine, ...): a call carries
+# at most 64 MiB with the working tree, which holds the 27 MB bundled pair, so all of runs/train
+# does not fit. Token caches and stage states are rebuilt or not needed (`train_pack.sh carry`
+# prunes them).
 # Each stage's outputs come back packed by scripts/train_pack.sh (a tar split in 15 MB parts);
 # unpack here with `bash scripts/train_pack.sh unpack <files_at>`.
 set -euo pipefail

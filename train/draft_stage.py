@@ -16,7 +16,6 @@ own weights (embedding and LM head included, which the draft borrows) never chan
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -30,8 +29,7 @@ from .export import draft_config, write_draft, write_target
 from .model.draft import TrainableDraft
 from .model.target import TrainableTarget
 from .recipe import Recipe, StageBudget
-from .schedule import learning_rate
-from .state import Progress, done_summary, load_state, mark_done, save_state
+from .state import Progress, StageClock, done_summary, load_state, mark_done
 from .target_stage import LOG_EVERY_S, SAVE_EVERY_S, make_optimizer
 
 
@@ -109,17 +107,11 @@ def train_draft(run_dir: Path, recipe: Recipe, ids: dict, tokenizer_dir: Path, t
     if progress.step:
         log(f"{stage}: resuming at step {progress.step} ({progress.elapsed_s:.0f} s of {budget.seconds:.0f} s done)")
     step_fn = torch.compile(step_losses) if recipe.compile else step_losses
-    folder.mkdir(parents=True, exist_ok=True)
-    log_file = folder / "log.jsonl"
-    last_save = last_log = time.perf_counter()
-    started, elapsed_before = time.perf_counter(), progress.elapsed_s
+    clock = StageClock(folder, stage, budget, progress, log, LOG_EVERY_S, SAVE_EVERY_S)
     params = [p for _, p in both.trainable()]
     figures: dict = {}
-    while progress.elapsed_s < budget.seconds:
-        lr = learning_rate(budget.lr, progress.step, progress.elapsed_s / budget.seconds, budget.warmup_steps,
-                           budget.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    while clock.running():
+        lr = clock.set_learning_rate(optimizer)
         batch = train.train_batch(recipe.seed + 1, progress.step, budget.batch_size, budget.seq_len).to(device)
         gen = torch.Generator().manual_seed(recipe.seed * 7919 + progress.step)
         anchors = sample_anchors(batch.shape[0], budget.seq_len, recipe.anchors_per_seq, cfg.block_size, gen, device,
@@ -130,25 +122,14 @@ def train_draft(run_dir: Path, recipe: Recipe, ids: dict, tokenizer_dir: Path, t
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
-        progress.step += 1
-        progress.tokens += batch[:, :-1].numel()
-        now = time.perf_counter()
-        progress.elapsed_s = elapsed_before + (now - started)
-        if progress.step == 1 or now - last_log >= LOG_EVERY_S or progress.elapsed_s >= budget.seconds:
+        if clock.step_done(batch[:, :-1].numel()):
             figures = to_python(figures)
-            entry = {"step": progress.step, "elapsed_s": round(progress.elapsed_s, 1), "lr": lr,
-                     "loss": float(loss.detach()), "grad_norm": float(grad_norm),
-                     "tf_tokens_per_step": round(expected_tokens_per_step(figures["slot_match"]), 3), **figures}
-            log(f"{stage}: " + json.dumps(entry))
-            with log_file.open("a") as f:
-                f.write(json.dumps(entry) + "\n")
-            last_log = now
-        if now - last_save >= SAVE_EVERY_S:
-            save_state(folder, both, optimizer, progress)
-            last_save = now
-    save_state(folder, both, optimizer, progress)
-    summary = {"steps": progress.step, "tokens": progress.tokens, "train_seconds": round(progress.elapsed_s, 1),
-               "draft_parameters": sum(p.numel() for p in draft.parameters()), "last": to_python(figures)}
+            clock.record({"lr": lr, "loss": float(loss.detach()), "grad_norm": float(grad_norm),
+                          "tf_tokens_per_step": round(expected_tokens_per_step(figures["slot_match"]), 3),
+                          **figures})
+        clock.maybe_save(both, optimizer)
+    summary = {**clock.finish(both, optimizer), "draft_parameters": sum(p.numel() for p in draft.parameters()),
+               "last": to_python(figures)}
     write_draft(folder / "model", recipe, target_cfg, draft.canonical_state_dict())
     # The target with its fine-tuned MTP head: the same trunk, so DFlash and MTP share one target.
     write_target(folder / "target", recipe, ids, target.canonical_state_dict(), tokenizer_dir)

@@ -14,7 +14,6 @@ autocast, gradient clipping at 1; the time-budgeted schedule of ``schedule.py``.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -24,8 +23,7 @@ from .data import TokenStream
 from .export import target_config, write_target
 from .model.target import TrainableTarget
 from .recipe import Recipe
-from .schedule import learning_rate
-from .state import Progress, done_summary, load_state, mark_done, save_state
+from .state import Progress, StageClock, done_summary, load_state, mark_done
 
 SAVE_EVERY_S = 60.0
 LOG_EVERY_S = 15.0
@@ -97,15 +95,9 @@ def train_target(run_dir: Path, recipe: Recipe, ids: dict, tokenizer_dir: Path, 
     if progress.step:
         log(f"target: resuming at step {progress.step} ({progress.elapsed_s:.0f} s of {budget.seconds:.0f} s done)")
     step_fn = torch.compile(target_losses) if recipe.compile else target_losses
-    log_file = (folder / "log.jsonl")
-    folder.mkdir(parents=True, exist_ok=True)
-    last_save = last_log = time.perf_counter()
-    started, elapsed_before = time.perf_counter(), progress.elapsed_s
-    while progress.elapsed_s < budget.seconds:
-        lr = learning_rate(budget.lr, progress.step, progress.elapsed_s / budget.seconds, budget.warmup_steps,
-                           budget.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    clock = StageClock(folder, "target", budget, progress, log, LOG_EVERY_S, SAVE_EVERY_S)
+    while clock.running():
+        lr = clock.set_learning_rate(optimizer)
         batch = train.train_batch(recipe.seed, progress.step, budget.batch_size, budget.seq_len).to(device,
                                                                                                   non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -114,26 +106,12 @@ def train_target(run_dir: Path, recipe: Recipe, ids: dict, tokenizer_dir: Path, 
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        progress.step += 1
-        progress.tokens += batch[:, :-1].numel()
-        now = time.perf_counter()
-        progress.elapsed_s = elapsed_before + (now - started)
-        if progress.step == 1 or now - last_log >= LOG_EVERY_S or progress.elapsed_s >= budget.seconds:
-            entry = {"step": progress.step, "elapsed_s": round(progress.elapsed_s, 1), "lr": lr,
-                     "grad_norm": float(grad_norm), "tokens": progress.tokens,
-                     "tokens_per_s": round(progress.tokens / max(progress.elapsed_s, 1e-9)),
-                     **{name: round(float(v), 4) for name, v in parts.items()}}
-            log("target: " + json.dumps(entry))
-            with log_file.open("a") as f:
-                f.write(json.dumps(entry) + "\n")
-            last_log = now
-        if now - last_save >= SAVE_EVERY_S:
-            save_state(folder, model, optimizer, progress)
-            last_save = now
-    save_state(folder, model, optimizer, progress)
-    summary = {"steps": progress.step, "tokens": progress.tokens, "train_seconds": round(progress.elapsed_s, 1),
-               "tokens_per_s": round(progress.tokens / max(progress.elapsed_s, 1e-9)),
-               "parameters": sum(p.numel() for p in model.parameters()),
+        if clock.step_done(batch[:, :-1].numel()):
+            clock.record({"lr": lr, "grad_norm": float(grad_norm), "tokens": progress.tokens,
+                          "tokens_per_s": round(progress.tokens / max(progress.elapsed_s, 1e-9)),
+                          **{name: round(float(v), 4) for name, v in parts.items()}})
+        clock.maybe_save(model, optimizer)
+    summary = {**clock.finish(model, optimizer), "parameters": sum(p.numel() for p in model.parameters()),
                **heldout_loss(model, heldout, device, budget.seq_len)}
     write_target(folder / "model", recipe, ids, model.canonical_state_dict(), tokenizer_dir)
     mark_done(folder, summary)

@@ -32,11 +32,9 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
-from ..reference.formats.chat_template import CHAT_TEMPLATE
 from ..reference.formats.errors import UserInputError, expect
 from ..reference.tiny.tokenizer import (
-    ENDOFTEXT, IM_END, IM_START, SMALL_SPECIAL_TOKENS, THINK_END, THINK_START, TokenizerInfo,
-    _add_special_tokens, _with_qwen_pipeline, tokenizer_config)
+    ENDOFTEXT, SMALL_SPECIAL_TOKENS, TokenizerInfo, _add_special_tokens, _with_qwen_pipeline, save_tokenizer_files)
 from .corpus import DEFAULT_OUT as DEFAULT_CORPUS, MANIFEST, iter_documents, read_manifest
 
 KIND = "trained"
@@ -71,25 +69,11 @@ def train_tokenizer(corpus_dir: str | Path, out_dir: str | Path = DEFAULT_OUT, *
     _add_special_tokens(tokenizer, SMALL_SPECIAL_TOKENS)
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # The three files as reference/tiny/tokenizer.py's write_tokenizer lays them out.
-    (out_dir / "tokenizer.json").write_text(tokenizer.to_str(pretty=False) + "\n", encoding="utf-8")
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n", encoding="utf-8")
-    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    info = save_tokenizer_files(out_dir, tokenizer, KIND, pretty=False)
     manifest_sha = hashlib.sha256((Path(corpus_dir) / MANIFEST).read_bytes()).hexdigest()
     record = {"corpus_manifest_sha256": manifest_sha, "vocab_size": vocab_size, "max_bytes": max_bytes,
               "trained_docs": counted["docs"], "trained_bytes": counted["bytes"]}
     (out_dir / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-
-    info = TokenizerInfo(
-        kind=KIND,
-        vocab_size=max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1,
-        endoftext_id=tokenizer.token_to_id(ENDOFTEXT),
-        im_start_id=tokenizer.token_to_id(IM_START),
-        im_end_id=tokenizer.token_to_id(IM_END),
-        think_start_id=tokenizer.token_to_id(THINK_START),
-        think_end_id=tokenizer.token_to_id(THINK_END),
-    )
     if info.vocab_size != vocab_size or tokenizer.get_vocab_size(with_added_tokens=True) != vocab_size:
         raise RuntimeError(f"trained tokenizer has {info.vocab_size} ids, asked for {vocab_size}")
     return info

@@ -142,10 +142,16 @@ def write_tokenizer(path: str | Path, kind: str) -> TokenizerInfo:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``chat_template.jinja`` into ``path``."""
     expect(kind in KINDS, UserInputError, "tokenizer kind", kind, f"one of {', '.join(KINDS)}")
     tokenizer = build_small_tokenizer() if kind == "small" else build_qwen3_5_tokenizer()
+    # Indented where it stays small enough to read; the 248k-token one compact (12 MB, not 33).
+    return save_tokenizer_files(path, tokenizer, kind, pretty=kind == "small")
+
+
+def save_tokenizer_files(path: str | Path, tokenizer: Tokenizer, kind: str, pretty: bool) -> TokenizerInfo:
+    """The three files of a Qwen3.5-style tokenizer folder, for any tokenizer built on this pipeline
+    (the factories' kinds, and the training recipe's trained one); returns its special ids."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    # Indented where it stays small enough to read; the 248k-token one compact (12 MB, not 33).
-    (path / "tokenizer.json").write_text(tokenizer.to_str(pretty=kind == "small") + "\n", encoding="utf-8")
+    (path / "tokenizer.json").write_text(tokenizer.to_str(pretty=pretty) + "\n", encoding="utf-8")
     (path / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config(), indent=2) + "\n", encoding="utf-8")
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
