@@ -43,6 +43,10 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-modes", default=None, help="evaluate: greedy, t1 or both (default: greedy,t1)")
     p.add_argument("--report", default=None, help="evaluate: write report.json and report.md into this folder")
     p.add_argument("--max-mb", type=float, default=None, help="corpus: raw text cap in MB")
+    p.add_argument("--pair", default=None,
+                   help="refine: start from this pair instead of the run's draft stage; evaluate: judge this pair "
+                        "instead of the run's last stage (a stage folder with model/ and target/, or an exported "
+                        "one with draft/ and target/, e.g. models/pycoder-10m)")
     p.set_defaults(func=run_train)
 
 
@@ -89,6 +93,20 @@ def final_stage(run: Path) -> Path:
         if (run / stage / "done.json").exists():
             return run / stage
     raise UserInputError(f"run {str(run)!r}: no finished draft stage (run `ft train draft` first)")
+
+
+def pair_folders(folder: Path) -> tuple[Path, Path]:
+    """``(target_dir, draft_dir)`` of a pair: a stage folder (``model/``, ``target/``) or an export (``draft/``)."""
+    folder = Path(folder)
+    for draft_name in ("model", "draft"):
+        if (folder / draft_name / "config.json").exists() and (folder / "target" / "config.json").exists():
+            return folder / "target", folder / draft_name
+    raise UserInputError(f"pair {str(folder)!r}: expected target/config.json beside model/config.json (a stage "
+                         f"folder) or draft/config.json (an exported pair)")
+
+
+def _pair(args, run: Path) -> tuple[Path, Path]:
+    return pair_folders(Path(args.pair) if args.pair else final_stage(run))
 
 
 def _need(path: Path, stage: str, before: str) -> None:
@@ -146,10 +164,12 @@ def _run_stage(stage: str, args: argparse.Namespace) -> None:
             from .draft_stage import train_draft
             from .generate_data import load_or_generate
 
-            _need(run / "draft" / "done.json", "refine", "draft")
-            rows = load_or_generate(run, run / "draft" / "target", train, recipe, device.type, log=_log)
+            if args.pair is None:
+                _need(run / "draft" / "done.json", "refine", "draft")
+            start = pair_folders(Path(args.pair) if args.pair else run / "draft")
+            rows = load_or_generate(run, start[0], train, recipe, device.type, log=_log)
             train_draft(run, recipe, ids, tokenizer_dir, rows, device, log=_log, stage="refine",
-                        init_from=run / "draft", budget=recipe.refine_stage,
+                        init_from=start, budget=recipe.refine_stage,
                         min_anchor=recipe.generate_prompt_len - 1)
         return
     if stage == "evaluate":
@@ -162,14 +182,14 @@ def _run_stage(stage: str, args: argparse.Namespace) -> None:
             if not value or set(value) - set(allowed):
                 raise UserInputError(f"{flag}={','.join(value)!r}: expected a comma-separated subset of "
                                      f"{','.join(allowed)}")
-        final = final_stage(run)
-        report = evaluate_pair(final / "target", final / "model", corpus,
+        target_dir, draft_dir = _pair(args, run)
+        report = evaluate_pair(target_dir, draft_dir, corpus,
                                device=args.device, per_source=args.eval_prompts,
                                max_tokens=args.eval_max_tokens, settings=[s for s in SETTINGS if s[0] in wanted],
                                sampling_modes=modes, log=_log)
         out = Path(args.report) if args.report else run
         out.mkdir(parents=True, exist_ok=True)
-        report["stage"] = final.name
+        report["pair"] = str(draft_dir.parent)
         (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         (out / "report.md").write_text(markdown_table(report) + "\n")
         _log(markdown_table(report))

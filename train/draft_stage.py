@@ -76,27 +76,27 @@ def step_losses(both: DraftAndMTP, batch: torch.Tensor, anchors: torch.Tensor, r
 
 
 def train_draft(run_dir: Path, recipe: Recipe, ids: dict, tokenizer_dir: Path, train,
-                device: torch.device, log=print, *, stage: str = "draft", init_from: Path | None = None,
+                device: torch.device, log=print, *, stage: str = "draft", init_from: tuple[Path, Path] | None = None,
                 budget: StageBudget | None = None, min_anchor: int = 1) -> dict:
     """Run (or resume, or skip if done) a draft stage; writes ``<run>/<stage>/{model,target}``.
 
     ``train``: anything with ``train_batch(seed, step, batch_size, seq_len)`` (corpus windows, or
-    target-generated rows). ``init_from``: a finished draft stage's folder whose draft and MTP head
-    this one continues from (the refine stage); else the draft starts from its init and the target
-    from ``<run>/target/model``. ``min_anchor``: the first position an anchor may take (the refine
+    target-generated rows). ``init_from``: ``(target_dir, draft_dir)`` of a pair whose draft and MTP
+    head this one continues from (the refine stage: the draft stage's, or a bundled pair's); else
+    the draft starts from its init and the target from ``<run>/target/model``. ``min_anchor``: the first position an anchor may take (the refine
     stage keeps anchors inside the generated part of each row).
     """
     folder = Path(run_dir) / stage
     if (summary := done_summary(folder)) is not None:
         log(f"{stage}: done earlier ({summary['steps']} steps)")
         return summary
-    target_dir = Path(init_from) / "target" if init_from else Path(run_dir) / "target" / "model"
+    target_dir = Path(init_from[0]) if init_from else Path(run_dir) / "target" / "model"
     target_cfg, weights = load_target(target_dir)
     cfg = draft_config(recipe, target_cfg)
     target = TrainableTarget.from_canonical(target_cfg, weights)
     freeze_all_but_mtp(target)
     if init_from:
-        draft = TrainableDraft.from_canonical(cfg, load_file(str(Path(init_from) / "model" / "model.safetensors")))
+        draft = TrainableDraft.from_canonical(cfg, load_file(str(Path(init_from[1]) / "model.safetensors")))
     else:
         draft = TrainableDraft(cfg)
         draft.init_weights(recipe.seed + 1)

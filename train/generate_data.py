@@ -42,13 +42,17 @@ class SequenceSet:
 
 def generate_sequences(target_dir: Path, stream: TokenStream, *, seconds: float, prompt_len: int, new_tokens: int,
                        concurrency: int, seed: int, device: str, log=print) -> np.ndarray:
-    """Rounds of ``concurrency * 4`` prompts until ``seconds`` have passed; returns ``[n, prompt_len + new_tokens]``."""
+    """Rounds of ``concurrency * 2`` prompts until ``seconds`` have passed; returns ``[n, prompt_len + new_tokens]``.
+
+    Two waves per round keep the engine full while one wave's requests finish (a round's time is
+    the overshoot past ``seconds``)."""
     from dflash2.fast.llm import LLM, SamplingParams
 
-    llm = LLM(target_dir, device=device, max_running_req=concurrency,
-              max_model_len=prompt_len + new_tokens + 1)
+    # A prefill step takes whole waves of prompts (the default 2048 rows would admit 16 at a time).
+    llm = LLM(target_dir, device=device, max_running_req=concurrency, max_model_len=prompt_len + new_tokens + 1,
+              max_num_batched_tokens=max(2048, min(concurrency, 128) * prompt_len))
     rows, started, round_index = [], time.perf_counter(), 0
-    per_round = concurrency * 4
+    per_round = concurrency * 2
     while time.perf_counter() - started < seconds:
         prompts = stream.train_batch(seed + 17, round_index, per_round, prompt_len - 1)  # [R, prompt_len]
         params = []

@@ -98,7 +98,7 @@ def test_evaluate_and_export(smoke_run, tmp_path):
     assert ft(["train", "evaluate", "--corpus", str(corpus), "--run", str(run), "--device", "cpu",
                "--eval-prompts", "1", "--eval-max-tokens", "8", "--report", str(report_dir)]) == 0
     report = json.loads((report_dir / "report.json").read_text())
-    assert report["stage"] == "refine"
+    assert Path(report["pair"]) == run / "refine"
     greedy = report["results"]["greedy"]
     assert set(greedy) == {"off", "mtp3", "mtp7", "dflash3", "dflash7"}
     assert greedy["off"]["tokens_per_step"] is None and greedy["dflash7"]["tokens_per_step"] >= 1.0
@@ -106,6 +106,20 @@ def test_evaluate_and_export(smoke_run, tmp_path):
     out = tmp_path / "pair"
     assert ft(["train", "export", "--run", str(run), "--out", str(out)]) == 0
     assert (out / "target" / "config.json").exists() and (out / "draft" / "model.safetensors").exists()
+    # An exported pair is judged and refined further by name (`--pair`), as the bundled one is.
+    again = tmp_path / "again"
+    assert ft(["train", "evaluate", "--corpus", str(corpus), "--run", str(run), "--device", "cpu", "--pair", str(out),
+               "--eval-prompts", "1", "--eval-max-tokens", "4", "--eval-settings", "off,dflash3",
+               "--eval-modes", "greedy", "--report", str(again)]) == 0
+    assert Path(json.loads((again / "report.json").read_text())["pair"]) == out
+    rerun = tmp_path / "rerun"
+    rerun.mkdir()
+    (rerun / "recipe.json").write_text((run / "recipe.json").read_text())
+    (rerun / "tokenizer").symlink_to(run / "tokenizer")
+    assert ft(["train", "refine", "--corpus", str(corpus), "--run", str(rerun), "--device", "cpu",
+               "--pair", str(out), "--seconds", "1"]) == 0
+    assert json.loads((rerun / "refine" / "done.json").read_text())["steps"] > 0
+    assert not (rerun / "draft").exists()
 
 
 def test_stage_order_errors_are_one_line(tmp_path, capsys):
@@ -113,3 +127,5 @@ def test_stage_order_errors_are_one_line(tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
     assert ft(["train", "export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "o")]) == 2
     assert "no finished draft stage" in capsys.readouterr().err
+    assert ft(["train", "evaluate", "--run", str(tmp_path / "run"), "--pair", str(tmp_path)]) == 2
+    assert "expected target/config.json" in capsys.readouterr().err
