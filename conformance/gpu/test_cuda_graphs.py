@@ -3,10 +3,12 @@
 1. EXACT: for every key shape, one replay equals an eager forward of the same padded batch bit for
    bit (logits, hidden, taps), and writes the same K/V and GDN state (the pools are cloned, one copy
    runs each path). Padding sequences leave every real slot untouched.
-2. TOKEN_STREAM: greedy requests through the engine with graphs (plain decode: the target forward;
+2. TOKEN_STREAM: requests through the engine with graphs (plain decode: the target forward;
    MTP and DFlash: the whole propose-verify-commit-observe step) give the tokens of the eager engine
    (``--enforce-eager``), dense and MoE, 5 requests of different lengths on 3 slots (so buckets pad),
-   with graphs actually replayed (the graph count is asserted).
+   with graphs actually replayed (the graph count is asserted): all greedy, and mixed greedy and
+   sampled (temperature, top-k, top-p, seeds; fp32, so a draw could only flip where its uniform
+   lies within rounding of a CDF edge, about 1e-7 per token).
 """
 
 from __future__ import annotations
@@ -78,6 +80,29 @@ def test_replay_equals_eager_on_the_same_padded_batch(stack, dtype):
             assert torch.equal(a.nan_to_num(), b.nan_to_num()), f"{name} {dtype} rows={rows}: cache tensor {i}"
         for saved, slots_pool in zip(idle_slot, pools.gdn.values()):  # padding sequences write the trash slot only
             assert torch.equal(saved.nan_to_num(), slots_pool.recurrent_storage[3].nan_to_num())
+
+
+MIXED = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+         SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+         SamplingParams(max_tokens=20, temperature=1.0, top_k=5, seed=4, ignore_eos=True),
+         SamplingParams(max_tokens=9, temperature=1.0, top_k=20, top_p=0.95, seed=6, ignore_eos=True),
+         SamplingParams(max_tokens=12, temperature=0.7, seed=5, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("algorithm", ["mtp", "dflash"])
+def test_sampled_steps_replay_and_give_the_eager_engines_tokens(stack, algorithm):
+    name, target_dir, draft_dir = stack
+    prompts = [[1, 2, 3], list(range(5, 30)), [9] * 7, list(range(40, 51)), [4, 4]]
+    kwargs = dict(dtype=torch.float32, device="cuda", max_running_req=3, speculative_algorithm=algorithm,
+                  speculative_draft_model_path=draft_dir if algorithm == "dflash" else None)
+    graphed = LLM(target_dir, **kwargs)
+    fast = graphed.generate(prompts, MIXED)
+    keys = graphed.engine.runner.step_graphs.graphs
+    assert any(key.sampling.any_sampled for key in keys), f"{name} {algorithm}: no sampled step was replayed"
+    eager = LLM(target_dir, enforce_eager=True, **kwargs).generate(prompts, MIXED)
+    for prompt, a, b in zip(prompts, fast, eager):
+        assert a.error is None and a.token_ids == b.token_ids, (f"{name} {algorithm}: graph and eager engines "
+                                                                f"differ\ngraph {a.token_ids}\neager {b.token_ids}")
 
 
 @pytest.mark.parametrize("algorithm", ["none", "mtp", "dflash"])

@@ -280,7 +280,11 @@ def graphed_verifier(case: Case, batch: int, device) -> Verifier:
         graph.replay()
         return outputs[0][:n], outputs[1][:n]
 
-    run.graph = graph  # keeps the graph (and its memory pool) alive with the closure
+    # The graph reads its inputs at the addresses they had at capture. ``call`` alone refers to the fixed
+    # ones (logits, candidates, q, parameters, anchors), and it is dropped when this function returns, so
+    # without this their memory went back to the allocator and later tensors overwrote what the replays
+    # read (this test once failed with 16% malformed rows for that reason, the verifier being right).
+    run.graph, run.inputs = graph, (logits, cand_ids, draft_probs, st, anchors)
     return run
 
 

@@ -7,9 +7,8 @@ step shape is captured once as a CUDA graph and replayed:
 - ``TargetGraphs``: the target forward alone (plain decode: one row per request; also a verify's
   forward when the whole step cannot be captured);
 - ``StepGraphs``: a whole speculative step, propose -> target verify forward -> verify ->
-  ``commit_verify`` -> observe, as one graph (``ModelRunner.verify_step_fn`` builds it). For now
-  only all-greedy batches replay it: a captured sampled verify failed its law test on the H200
-  (bench/results/2026-12-01-h200/README.md), so batches with a sampled request verify eagerly.
+  ``commit_verify`` -> observe, as one graph (``ModelRunner.verify_step_fn`` builds it), greedy and
+  sampled alike (the key carries the batch's sampling summary, which fixes the filter's launches).
 
 Keys: ``(B bucket, rows per sequence R, page-table width bucket P, is_verify)``; the B bucket is the
 smallest of 1, 2, 4, 8, ... (capped at max_running_req) that holds the batch, the P bucket the next

@@ -271,14 +271,7 @@ class ModelRunner:
         if key is None:
             return None
         params = [r.params for r in reqs]
-        summary = graph_summary(params)
-        if summary.any_sampled:
-            # Sampled verification stays eager for now: on the H200 the 1e8-request law test of a captured
-            # verify_ragged (conformance/gpu/test_verifier_law_at_scale.py, filtered case with greedy padding
-            # rows) failed, while the eager laws passed. Greedy steps replay (their tokens equal the eager
-            # engine's on the GPU lane).
-            return None
-        key = replace(key, sampling=summary)
+        key = replace(key, sampling=graph_summary(params))
         keep = self.simulated_accept() if self.simulated_accept is not None else -1
         accepted, emitted = self.step_graphs.run(
             key, anchors=torch.tensor(anchor_list), slots=torch.tensor([r.slot for r in reqs]), tables=tables,

@@ -2,8 +2,9 @@
 
 Startup: bind the socket (a port in use is a user error, found before the model loads), then, behind
 a progress bar on stderr, load the checkpoint and allocate the caches (every refusal of ``ft
-generate`` happens here, with its one-line error and exit status 2) and run one warm-up request (a
-prefill and a decode or verify step, so the first client does not pay for lazy initialisation).
+generate`` happens here, with its one-line error and exit status 2) and warm up
+(``fast/engine/warmup.py``: two waves of requests that compile the kernels and capture the graphs of
+every batch bucket, so the first clients do not pay for them).
 Then one log line: model, algorithm, k, KV tokens, draft memory, device, dtype, slots.
 
 Shutdown: uvicorn's graceful shutdown stops accepting connections and waits up to
@@ -23,7 +24,6 @@ import time
 from pathlib import Path
 
 from dflash2.reference.formats.errors import UserInputError
-from dflash2.reference.request.sampling_params import SamplingParams
 
 logger = logging.getLogger("dflash2.fast.serve")
 DEFAULT_PORT = 8000
@@ -82,6 +82,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from ..engine.config import engine_config_from_args
     from ..engine.engine import Engine
+    from ..engine.warmup import warm_up
     from .app import ServeSettings, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -102,10 +103,12 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = Engine(config)
         bar.update()
         if not args.no_warmup:
-            bar.set_postfix_str("warm-up request")
-            warm = engine.generate([[0]], [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)])[0]
-            if warm.error is not None:
-                raise UserInputError(f"warm-up request failed: {warm.error}")
+            bar.set_postfix_str("warm-up: compiling kernels, capturing graphs")
+            try:
+                warm = warm_up(engine)
+            except RuntimeError as exc:
+                raise UserInputError(str(exc)) from exc
+            logger.info("warm-up: %d requests in %.1f s", warm["requests"], warm["seconds"])
         bar.update()
     logger.info("%s; ready in %.1f s", summary(engine, settings.served_model_name), time.perf_counter() - start)
     sock.listen(2048)  # connections from here on queue until uvicorn accepts them

@@ -1,0 +1,48 @@
+"""Startup warm-up: compile and capture what a first wave of requests would otherwise wait for.
+
+On CUDA the first use of a shape compiles its Triton kernels (about a second each on a machine
+whose Triton cache is cold) and captures its CUDA graph (two eager runs and a capture per batch
+bucket). A server that listens cold makes its first clients pay for all of it: measured on the
+H200 with one 1-token warm-up request, the first 16 requests of a load run (512-token prompts,
+MoE shape) waited 45-48 s for their first token, the later ones 4.5 s
+(bench/results/2026-12-01-h200-serve/).
+
+``warm_up`` runs two waves of ``max_running_req`` requests before the server listens, greedy and
+then sampled (temperature, top-k and top-p, so the filter's and the draws' kernels compile, and
+speculative steps capture both kinds of step graph). Their prompts together fill one prefill chunk,
+so the prefill kernels compile at the row counts a full chunk uses; request i asks for
+(i + 1) (k + 1) + 1 tokens (k drafts per step, 0 for plain decoding), so the decode (or verify) batch
+shrinks from ``max_running_req`` to 1 and every batch bucket is stepped (a speculative step is
+uniform, so captured, while every request still has more than k tokens to go; where drafts are
+accepted requests finish sooner and a bucket may be left to first use). Longer contexts (wider page tables) still capture on first use, one bucket at a time.
+"""
+
+from __future__ import annotations
+
+import time
+
+from dflash2.reference.request.sampling_params import SamplingParams
+
+from .engine import Engine
+
+
+def warm_up(engine: Engine) -> dict:
+    """Run the warm-up waves; returns ``{"requests", "seconds"}``. Raises RuntimeError if one fails."""
+    cfg = engine.config
+    n = cfg.max_running_req
+    stride = (engine.num_steps or 0) + 1
+    # a short context (--max-model-len) caps the outputs: warm-up must never be refused for length
+    lengths = [max(1, min(stride * (i + 1) + 1, engine.max_model_len - 2)) for i in range(n)]
+    longest_output = lengths[-1]
+    prompt_len = max(1, min(cfg.max_num_batched_tokens // n, engine.max_model_len - longest_output - 1))
+    vocab = engine.model.target.cfg.vocab_size
+    prompts = [[(7 * i + j) % vocab for j in range(prompt_len)] for i in range(n)]
+    waves = ([SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in lengths],
+             [SamplingParams(max_tokens=m, temperature=0.8, top_k=20, top_p=0.95, seed=i, ignore_eos=True)
+              for i, m in enumerate(lengths)])
+    started = time.perf_counter()
+    for params in waves:
+        for out in engine.generate(prompts, params):
+            if out.error is not None:
+                raise RuntimeError(f"warm-up request failed: {out.error}")
+    return {"requests": 2 * n, "seconds": time.perf_counter() - started}

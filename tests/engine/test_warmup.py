@@ -1,0 +1,41 @@
+"""The startup warm-up (fast/engine/warmup.py): every batch bucket is stepped, greedy and sampled, and
+the engine is idle afterwards (every page, slot and ring back)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash2.fast.engine.graphs import StepGraphs, TargetGraphs, buckets
+from dflash2.fast.engine.scheduler import pages_for
+from dflash2.fast.engine.warmup import warm_up
+from dflash2.fast.llm import LLM
+from dflash2.reference.tiny.draft import write_tiny_draft
+from dflash2.reference.tiny.target import write_tiny_target
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("warmup")
+    target = write_tiny_target(root / "target", "tiny-dense", tokenizer=None)
+    return target, write_tiny_draft(root / "draft", target)
+
+
+@pytest.mark.parametrize("algorithm", ["none", "dflash"])
+def test_warm_up_steps_every_bucket_and_leaves_the_engine_idle(stack, algorithm):
+    target, draft = stack
+    llm = LLM(target, dtype=torch.float32, max_running_req=5, speculative_algorithm=algorithm,
+              speculative_draft_model_path=draft if algorithm == "dflash" else None)
+    engine, runner = llm.engine, llm.engine.runner
+    max_pages = pages_for(engine.max_model_len, engine.config.page_size)
+    # the CPU runs the static step path without capturing (CapturedStep), so the keys it steps are visible
+    runner.graphs = TargetGraphs(runner.target, runner.pools, max_seqs=5, max_pages=max_pages)
+    if algorithm != "none":
+        runner.step_graphs = StepGraphs(runner.pools, runner.verify_step_fn, max_seqs=5, max_pages=max_pages)
+    report = warm_up(engine)
+    assert report["requests"] == 10 and report["seconds"] > 0
+    keys = runner.graphs.graphs if algorithm == "none" else runner.step_graphs.graphs
+    assert {key.num_seqs for key in keys} == set(buckets(5))
+    if algorithm != "none":
+        assert {key.sampling.any_sampled for key in keys} == {False, True}
+    assert engine.pool_usage().idle
