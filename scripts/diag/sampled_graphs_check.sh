@@ -1,3 +1,5 @@
+# The device call behind bench/results/2026-12-01-h200-sampled-graphs/ and -h200-serve/warm/ (carry .corpus .whl):
+# the verifier law at 1e8 and the CUDA-graph tests, T=1 evaluation of the bundled pair, ft serve under load.
 set -u
 SKIP_CONFORMANCE=1 SKIP_KERNELS=1 SKIP_BENCH=1 bash scripts/gpu_check.sh > /dev/null 2>&1   # setup only: /tmp/pkg, /tmp/site
 export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
