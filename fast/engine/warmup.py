@@ -11,10 +11,11 @@ MoE shape) waited 45-48 s for their first token, the later ones 4.5 s
 then sampled (temperature, top-k and top-p, so the filter's and the draws' kernels compile, and
 speculative steps capture both kinds of step graph). Their prompts together fill one prefill chunk,
 so the prefill kernels compile at the row counts a full chunk uses; request i asks for
-(i + 1) (k + 1) + 1 tokens (k drafts per step, 0 for plain decoding), so the decode (or verify) batch
-shrinks from ``max_running_req`` to 1 and every batch bucket is stepped (a speculative step is
-uniform, so captured, while every request still has more than k tokens to go; where drafts are
-accepted requests finish sooner and a bucket may be left to first use). Longer contexts (wider page tables) still capture on first use, one bucket at a time.
+(i + 1) (k + 1) + 1 tokens (k drafts per step, 0 for plain decoding), so the decode (or verify)
+batch shrinks from ``max_running_req`` to 1 and every batch bucket is stepped (a speculative step
+is uniform, so captured, while every request still has more than k tokens to go; where drafts are
+accepted, requests finish sooner and a bucket may be left to first use). Longer contexts (wider
+page tables) still capture on first use, one bucket at a time.
 """
 
 from __future__ import annotations
