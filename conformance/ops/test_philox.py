@@ -53,6 +53,22 @@ def test_broadcast_keys(impl_device):
     assert got.shape == (2, 5) and torch.equal(got, expected)
 
 
+def test_small_cpu_batches_take_the_scalar_loop_with_the_tensor_forms_words():
+    """The CPU's two forms of keyed_uniform_torch agree word for word, and the dispatch is by size."""
+    keys = random_keys(300, random.Random(2))
+    seeds, positions, purposes, slots = (torch.tensor(c) if i else seeds_tensor(c) for i, c in enumerate(zip(*keys)))
+    tensor_form = keyed_uniform_torch(seeds, positions, purposes, slots, small_batch=0)
+    scalar_form = philox.keyed_uniform_scalar(seeds, positions, purposes, slots)
+    assert torch.equal(tensor_form, scalar_form)
+    calls = []
+    real = philox.keyed_uniform_scalar
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(philox, "keyed_uniform_scalar", lambda *a: calls.append(a[0].numel()) or real(*a))
+        keyed_uniform_torch(seeds[:philox.SMALL_BATCH], 5, 1)
+        keyed_uniform_torch(seeds[:philox.SMALL_BATCH + 1], 5, 1)
+    assert calls == [philox.SMALL_BATCH]
+
+
 def test_planted_bug_nine_rounds_is_caught(monkeypatch):
     monkeypatch.setattr(philox, "PHILOX_ROUNDS", 9)
     with pytest.raises(AssertionError, match="uniforms differ"):

@@ -10,7 +10,11 @@ Two implementations of one function:
 - ``philox_uniform`` / ``philox4x32_10``: Triton device functions that the sampler, the verifier
   and the selector call inside their kernels; ``keyed_uniform_triton`` launches them on vectors.
 - ``keyed_uniform_torch``: the same words in int64 torch arithmetic (32x32 -> 64-bit products
-  split into 16-bit halves, since int64 cannot hold them), for CPU and as a cross-check.
+  split into 16-bit halves, since int64 cannot hold them), for CPU and as a cross-check. A CPU call
+  with at most ``SMALL_BATCH`` keys (every call of a decode or verify step at a few requests) takes
+  the shared scalar Philox of ``reference/request/rng.py`` over Python ints instead: the tensor form
+  is about 150 tensor operations whatever the size, 0.5 ms of dispatch for a handful of keys, where
+  the scalar loop costs microseconds per key. Both give the same words (conformance/ops/test_philox.py).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from dflash2.reference.request.rng import MASK32, PHILOX_A, PHILOX_B, PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUNDS
+from dflash2.reference.request.rng import (MASK32, PHILOX_A, PHILOX_B, PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUNDS,
+                                            philox4x32)
 
 from .triton_compat import tl, triton, use_triton
 
@@ -115,10 +120,24 @@ def philox4x32_10_torch(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: Tens
     return c0, c1, c2, c3
 
 
+SMALL_BATCH = 64  # CPU calls with at most this many keys take the scalar loop (module docstring)
+MASK64 = (1 << 64) - 1
+
+
+def keyed_uniform_scalar(seeds: Tensor, positions: Tensor, purpose: Tensor, slots: Tensor) -> Tensor:
+    """``keyed_uniform_torch`` of broadcast CPU keys by the shared scalar Philox  # any shape -> that shape."""
+    columns = [t.reshape(-1).tolist() for t in (seeds, positions, purpose, slots)]
+    out = [((philox4x32(seed & MASK64, position & MASK32, use & MASK32, slot & MASK32)[0] >> 9) + 0.5) * 2.0**-23
+           for seed, position, use, slot in zip(*columns)]
+    return torch.tensor(out, dtype=torch.float32).reshape(seeds.shape)
+
+
 def keyed_uniform_torch(seeds: Tensor, positions: Tensor | int, purpose: Tensor | int,
-                        slots: Tensor | int = 0) -> Tensor:
+                        slots: Tensor | int = 0, *, small_batch: int = SMALL_BATCH) -> Tensor:
     """Uniforms of broadcast keys, fp32, in torch integer arithmetic  # any shape -> that shape."""
     seeds, positions, purpose, slots = _broadcast_keys(seeds, positions, purpose, slots)
+    if seeds.device.type == "cpu" and seeds.numel() <= small_batch:
+        return keyed_uniform_scalar(seeds, positions, purpose, slots)
     k0, k1 = seeds & MASK32, (seeds >> 32) & MASK32
     word = philox4x32_10_torch(positions & MASK32, purpose & MASK32, slots & MASK32, torch.zeros_like(seeds),
                                k0, k1)[0]
