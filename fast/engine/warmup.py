@@ -8,8 +8,10 @@ MoE shape) waited 45-48 s for their first token, the later ones 4.5 s
 (bench/results/2026-12-01-h200-serve/).
 
 ``warm_up`` runs two waves of ``max_running_req`` requests before the server listens, greedy and
-then sampled (temperature, top-k and top-p, so the filter's and the draws' kernels compile, and
-speculative steps capture both kinds of step graph). Their prompts together fill one prefill chunk,
+then sampled the way most clients sample (temperature and top-p, top-k off), so the filter's and
+the draws' kernels compile and speculative steps capture the step graphs of both. A speculative
+step graph is keyed by its batch's sampling summary (``runner.graph_summary``), so other mixes
+(top-k on, no filter at all) still capture on their first step. Their prompts together fill one prefill chunk,
 so the prefill kernels compile at the row counts a full chunk uses; request i asks for
 (i + 1) (k + 1) + 1 tokens (k drafts per step, 0 for plain decoding), so the decode (or verify)
 batch shrinks from ``max_running_req`` to 1 and every batch bucket is stepped (a speculative step
@@ -39,7 +41,7 @@ def warm_up(engine: Engine) -> dict:
     vocab = engine.model.target.cfg.vocab_size
     prompts = [[(7 * i + j) % vocab for j in range(prompt_len)] for i in range(n)]
     waves = ([SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in lengths],
-             [SamplingParams(max_tokens=m, temperature=0.8, top_k=20, top_p=0.95, seed=i, ignore_eos=True)
+             [SamplingParams(max_tokens=m, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
               for i, m in enumerate(lengths)])
     started = time.perf_counter()
     for params in waves:
