@@ -4,7 +4,8 @@
 #
 #   bash scripts/train_gpu.sh target          # [SMOKE=1: a 30 s target + 20 s draft smoke run first]
 #   bash scripts/train_gpu.sh draft           # needs runs/train/target/ (unpacked from the last call)
-#   bash scripts/train_gpu.sh refine          # needs runs/train/draft/
+#   bash scripts/train_gpu.sh refine          # needs runs/train/draft/, or an exported pair:
+#   TRAIN_FLAGS="--pair models/pycoder-10m" bash scripts/train_gpu.sh refine   # (then no stage need travel)
 #   bash scripts/train_gpu.sh evaluate        # the last finished of refine/ or draft/
 #
 # Carry `.corpus`, `runs/train/recipe.json`, `runs/train/tokenizer` and only the finished stage the

@@ -29,10 +29,9 @@ At 5 sd and n = 1e8 the test sees a bias of 5 sqrt(P (1 - P) / n) ~ 2e-4 absolut
 mass 0.2. The kernels' own deviations are far below that: uniforms are quantised to 2^-23, p is
 rounded to fp32, the logits are fp32 log P (each ~1e-7).
 
-Expected time on an H200 (an estimate, not yet measured; each case prints its own): 382 chunks per case;
-per chunk ~10 kernels over 2^18-786k tiny programs (~1-3 ms) and, on the eager path, verify_ragged's
-O(B) host grouping of requests by k (~10-15 ms for 2^18, overlapping the GPU): ~5-6 s per eager case,
-~1-2 s for the graph replays, ~15-25 s in all with compilation. DFLASH2_LAW_ROWS scales it linearly.
+Time on an H200 at 1e8 requests per case (bench/results/2026-12-01-h200-sampled-graphs/gpu_tests.log):
+plain eager 10.1 s, filtered eager 15.3 s (verify_ragged's O(B) host grouping of requests by k
+overlaps the GPU), the graph replays 12.0 s, plus compilation. DFLASH2_LAW_ROWS scales it linearly.
 
 The CPU lane runs the same sampling and law code on verify_ragged's torch path at 2e4 requests
 (partial last chunk included), and a planted bug (q misreported as uniform over the candidates,
