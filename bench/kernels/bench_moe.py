@@ -38,7 +38,7 @@ LAYERS = 8
 NOMINAL_BW = 4.25e12
 EXPERT_BYTES = (2 * WIDTH * HIDDEN + HIDDEN * WIDTH) * 2
 SWEEP = {  # beside each N's default (fast/kernels/moe.default_blocks); one compile each
-    1: [MoEBlocks(block_i=16), MoEBlocks(block_i=64), MoEBlocks(block_c=256, num_stages=4)],
+    1: [MoEBlocks(), MoEBlocks(block_i=16, block_c=256, num_stages=4), MoEBlocks(block_i=64, block_c=256, num_stages=4)],
     16: [MoEBlocks(block_i=32), MoEBlocks(block_i=64, num_stages=4)],
     128: [MoEBlocks(block_i=128), MoEBlocks(block_i=32)],
 }

@@ -197,3 +197,21 @@ def test_moe_at_released_shapes(report, rows):
     got = _graph_replay_equals_eager((x, expert_ids, weights, gate_up, down))
     expected = moe_experts_torch(x.float(), expert_ids, weights, gate_up.float(), down.float())
     report.numeric("y/bfloat16", got, expected, NUMERIC_BOUND[torch.bfloat16])
+
+
+def test_moe_out_dtype_rounds_the_fp32_sum_once(impl_device):
+    """``out_dtype``: the kernel stores its fp32 sum rounded to bf16: on CUDA bit for bit the fp32 result
+    cast by torch (both round to nearest even); Triton 3.6's interpreter truncates instead, so on the
+    CPU each value is within one bf16 ulp of the cast."""
+    impl, device = impl_device
+    if impl == "torch":
+        pytest.skip("out_dtype is the Triton launcher's")
+    args = make_case(5, seed=41).inputs(device, torch.float32)
+    full = moe_experts_triton(*args)
+    got = moe_experts_triton(*args, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    if device == "cuda":
+        assert torch.equal(got, full.to(torch.bfloat16))
+    else:
+        ulp = 2.0 ** -7 * full.abs()  # one bf16 ulp is at most 2^-7 of the value
+        assert bool(((got.float() - full).abs() <= ulp).all())

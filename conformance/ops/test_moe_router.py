@@ -183,3 +183,26 @@ def test_route_at_released_shapes(report, rows):
     assert torch.equal(ids, want_ids)
     report.numeric("weights/fp32", weights, want_weights, NUMERIC_BOUND[torch.float32])
     assert all(torch.equal(a, b) for a, b in zip(route(x, w_router, 8), (ids, weights)))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_route_with_the_shared_gate_appends_it_as_expert_e(impl_device, report, rows):
+    """``shared_gate=True``: row E of w_router is the shared expert's gate vector; the routed choices are
+    the plain router's (EXACT ids, NUMERIC weights) and column k is id E with weight sigmoid(w_sg . x)."""
+    impl, device = impl_device
+    experts, top_k = 17, 3
+    x, w_router = make_inputs(rows, experts + 1, seed=700 + rows)
+    routed = w_router[:experts]
+    assert min_gap(x, routed, top_k) > 1e-5, "the case has a near tie: EXACT ids would test rounding"
+    ref_ids, ref_weights = reference_route(x.double(), routed.double(), top_k)
+    ref_gate = torch.sigmoid(x.double() @ w_router[experts].double())  # [N]
+    if impl == "torch":
+        ids, weights = route_torch(x.to(device), w_router.to(device), top_k, shared_gate=True)
+    else:
+        logits = torch.full((rows, experts + 1), float("nan"), device=device)
+        ids, weights = route_triton(x.to(device), w_router.to(device), top_k, shared_gate=True, logits=logits)
+    assert ids.shape == weights.shape == (rows, top_k + 1)
+    assert torch.equal(ids[:, :top_k].cpu(), ref_ids), "routed ids differ from the reference (EXACT)"
+    assert torch.equal(ids[:, top_k].cpu(), torch.full((rows,), experts)), "the shared expert is not id E"
+    report.numeric("weights/shared_gate", weights[:, :top_k], ref_weights, NUMERIC_BOUND[torch.float32])
+    report.numeric("gate/shared_gate", weights[:, top_k], ref_gate, NUMERIC_BOUND[torch.float32])

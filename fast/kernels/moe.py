@@ -56,7 +56,11 @@ class MoEBlocks:
 def default_blocks(rows: int) -> MoEBlocks:
     """Defaults by row count: decode and verify (few rows per expert) keep 16-row chunks; I tiles
     of 32 give 16 tiles of work per active expert (8 experts: 128 programs for 132 SMs), wider tiles
-    once enough experts are active to fill the GPU (fewer partials to write and sum)."""
+    once enough experts are active to fill the GPU (fewer partials to write and sum). One row (plain
+    decode) takes the down projection in 256-column steps with a 4-stage pipeline: 23.4 vs 27.7 us a
+    layer in the H200 sweep (bench/results/2026-12-01-h200/kernels/bench_moe.log)."""
+    if rows == 1:
+        return MoEBlocks(block_c=256, num_stages=4)
     if rows <= 8:
         return MoEBlocks()
     if rows <= 128:
@@ -157,7 +161,7 @@ def _moe_sum_kernel(partials_ptr, weights_ptr, out_ptr, C: tl.constexpr, TOP_K: 
         part = tl.load(partials_ptr + pair * (NUM_TILES * C) + t[:, None] * C + c_offs[None, :], mask=mask,
                        other=0.0)  # [TILES_PAD, BLOCK_C]
         acc += tl.load(weights_ptr + pair) * tl.sum(part, axis=0)
-    tl.store(out_ptr + n * C + c_offs, acc, mask=in_c)
+    tl.store(out_ptr + n * C + c_offs, acc.to(out_ptr.dtype.element_ty), mask=in_c)  # one rounding, at the end
 
 
 def check_moe_inputs(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> None:
@@ -180,11 +184,12 @@ def check_moe_inputs(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Te
 
 def moe_experts_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, *,
                        blocks: MoEBlocks | None = None, out: Tensor | None = None,
-                       partials: Tensor | None = None) -> Tensor:
+                       partials: Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> Tensor:
     """``moe_experts_torch``'s contract by the two kernels: x ``[N, C]``, expert_ids ``[N, k]``, weights
-    ``[N, k]``, gate_up ``[E, 2I, C]`` (gate rows first), down ``[E, C, I]``; returns ``y [N, C]`` fp32.
+    ``[N, k]``, gate_up ``[E, 2I, C]`` (gate rows first), down ``[E, C, I]``; returns ``y [N, C]`` fp32
+    (or ``out_dtype``: the fp32 sum rounded once as it is stored, which saves the model a cast).
 
-    ``blocks`` defaults to :func:`default_blocks`. ``out`` (fp32 ``[N, C]``) and ``partials``
+    ``blocks`` defaults to :func:`default_blocks`. ``out`` (``out_dtype`` ``[N, C]``) and ``partials``
     (fp32 ``[N k, T, C]``, T = ceil(I / block_i)) are the buffers to write instead of fresh ones
     (static buffers of a captured graph; the tests poison them).
     """
@@ -196,10 +201,10 @@ def moe_experts_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: 
     blocks = default_blocks(rows) if blocks is None else blocks
     num_tiles = triton.cdiv(width, blocks.block_i)
     if out is None:
-        out = torch.empty((rows, hidden), dtype=torch.float32, device=x.device)
-    elif (out.shape != (rows, hidden) or out.dtype != torch.float32 or not out.is_contiguous()
+        out = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
+    elif (out.shape != (rows, hidden) or out.dtype != out_dtype or not out.is_contiguous()
           or out.device != x.device):
-        raise ValueError(f"out {list(out.shape)} {out.dtype} on {out.device}: expected contiguous fp32 "
+        raise ValueError(f"out {list(out.shape)} {out.dtype} on {out.device}: expected contiguous {out_dtype} "
                          f"[{rows}, {hidden}] on {x.device}")
     if partials is None:
         partials = torch.empty((num_pairs, num_tiles, hidden), dtype=torch.float32, device=x.device)

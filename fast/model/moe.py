@@ -11,7 +11,9 @@ choice) pairs (decode and verify steps) to the sync-free, graph-capturable Trito
 (fast/kernels/moe.py), as it does any size inside a CUDA-graph capture; everything else (CPU, long
 prefills) goes to the torch form. The router (softmax, top-k, renormalise) is :func:`route`: CUDA
 tensors of up to ``MAX_TRITON_ROUTE_ROWS`` rows (and any size inside a capture) to the two Triton
-kernels of fast/kernels/moe_router.py, everything else to their torch twin.
+kernels of fast/kernels/moe_router.py, everything else to their torch twin. Where the shared expert
+has the routed experts' width, a decode or verify step on CUDA runs the whole sublayer as those four
+kernels, the shared expert as one more pair (:class:`FastMoE`).
 """
 
 from __future__ import annotations
@@ -73,24 +75,77 @@ def route(x: Tensor, w_router: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     return route_torch(x, w_router, top_k)
 
 
+def stack_rows(first: Tensor, last: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``cat([first, last[None]])`` built in place on ``device`` in ``dtype``  # [E, ...], [...] -> [E + 1, ...].
+
+    Copied into one fresh buffer, so no E-expert copy of the weights stays alive beside it."""
+    out = torch.empty((first.shape[0] + 1, *first.shape[1:]), dtype=dtype, device=device)
+    out[:-1].copy_(first.detach())
+    out[-1].copy_(last.detach())
+    return out
+
+
 class FastMoE:
-    """The MoE sublayer, reading ``{prefix}mlp.*``."""
+    """The MoE sublayer, reading ``{prefix}mlp.*``.
+
+    Where the shared expert is as wide as a routed one (Is = I, as in the released Qwen3.5-MoE
+    models) it is stored as expert E after the E routed ones (``gate_up [E + 1, 2I, C]``,
+    ``down [E + 1, C, I]``) and its gate vector as row E of the router (``[E + 1, C]``). A decode
+    or verify step on CUDA then runs the whole sublayer as four kernels: the router appends the
+    shared expert to each row's choices with weight sigmoid(w_sg . x), and the routed-expert kernels
+    run it as a (k+1)-th pair, summing in fp32 and rounding once to the model dtype. Everything
+    else (the CPU, a replaced ``moe_experts`` op, long prefills) runs the module docstring's form on
+    views of the first E experts, bit for bit as before.
+    """
 
     def __init__(self, cfg: TargetConfig, params: Params, prefix: str, moe_experts):
         p = f"{prefix}mlp."
         self.top_k = cfg.num_experts_per_tok
         self.moe_experts = moe_experts
-        self.w_router = params.get(f"{p}gate.weight", torch.float32)  # [E, C], routing in fp32
-        self.gate_up = params.get(f"{p}experts.gate_up_proj")  # [E, 2I, C]
-        self.down = params.get(f"{p}experts.down_proj")  # [E, C, I]
+        device = params.device
+        num_experts = cfg.num_experts
+        w_router = params.raw(f"{p}gate.weight")  # [E, C]
+        gate_up = params.raw(f"{p}experts.gate_up_proj")  # [E, 2I, C]
+        down = params.raw(f"{p}experts.down_proj")  # [E, C, I]
         self.shared_gate_up = params.fused(f"{p}shared_expert.gate_proj.weight",
                                            f"{p}shared_expert.up_proj.weight")  # [2Is, C]
-        self.shared_down = params.get(f"{p}shared_expert.down_proj.weight")  # [C, Is]
-        self.shared_expert_gate = params.get(f"{p}shared_expert_gate.weight")  # [1, C]
+        shared_down = params.raw(f"{p}shared_expert.down_proj.weight")  # [C, Is]
+        shared_gate = params.raw(f"{p}shared_expert_gate.weight")  # [1, C]
+        self.shared_as_expert = self.shared_gate_up.shape == gate_up.shape[1:]
+        if self.shared_as_expert:
+            self.router_with_shared = stack_rows(w_router, shared_gate[0], torch.float32, device)  # [E + 1, C]
+            self.gate_up_with_shared = stack_rows(gate_up, self.shared_gate_up, params.dtype, device)
+            self.down_with_shared = stack_rows(down, shared_down, params.dtype, device)
+            self.w_router = self.router_with_shared[:num_experts]  # routing in fp32
+            self.gate_up, self.down = self.gate_up_with_shared[:num_experts], self.down_with_shared[:num_experts]
+            self.shared_gate_up = self.gate_up_with_shared[num_experts]  # [2Is, C]
+            self.shared_down = self.down_with_shared[num_experts]  # [C, Is]
+            self.shared_expert_gate = self.router_with_shared[num_experts:].to(params.dtype)  # [1, C]
+        else:
+            self.w_router = params.get(f"{p}gate.weight", torch.float32)  # [E, C], routing in fp32
+            self.gate_up = params.get(f"{p}experts.gate_up_proj")  # [E, 2I, C]
+            self.down = params.get(f"{p}experts.down_proj")  # [E, C, I]
+            self.shared_down = params.get(f"{p}shared_expert.down_proj.weight")  # [C, Is]
+            self.shared_expert_gate = params.get(f"{p}shared_expert_gate.weight")  # [1, C]
+
+    def _fused(self, x: Tensor) -> bool:
+        """Whether this call runs the four-kernel form (class docstring)."""
+        pairs = x.shape[0] * (self.top_k + 1)
+        return (self.shared_as_expert and self.moe_experts is moe_experts and use_triton(x)
+                and (pairs <= MAX_TRITON_PAIRS or torch.cuda.is_current_stream_capturing()))
 
     def forward(self, x: Tensor) -> Tensor:
         """x: ``[N, C]`` after post_attention_layernorm. Returns ``[N, C]`` in x's dtype."""
+        if self._fused(x):
+            return self.forward_four_kernels(x)
         expert_ids, weights = route(x, self.w_router, self.top_k)  # [N, k] int64, [N, k] fp32
         routed = self.moe_experts(x, expert_ids, weights, self.gate_up, self.down)  # [N, C] fp32
         shared = torch.sigmoid(x @ self.shared_expert_gate.T) * swiglu(x, self.shared_gate_up, self.shared_down)
         return (routed + shared.float()).to(x.dtype)
+
+    def forward_four_kernels(self, x: Tensor) -> Tensor:
+        """:meth:`forward` by the router and routed-expert kernels, the shared expert as pair k+1
+        (needs ``shared_as_expert``; the tests call it on the CPU under Triton's interpreter)."""
+        expert_ids, weights = route_triton(x, self.router_with_shared, self.top_k, shared_gate=True)  # [N, k+1]
+        return moe_experts_triton(x, expert_ids, weights, self.gate_up_with_shared, self.down_with_shared,
+                                  out_dtype=x.dtype)
