@@ -193,10 +193,13 @@ class ModelRunner:
         self.logprobs = None
         reqs = plan.reqs
         anchors = [r.anchor_position for r in reqs]
+        # the host-to-device copies before the forward: a copy from pageable memory queued behind a
+        # replay would hold the host until the replay ends, and the launches after it would idle the GPU
+        st = self.sampling([r.params for r in reqs])
+        positions = self._tensor([a + 1 for a in anchors])
         _, out = self.forward_uniform(reqs, anchors, 1, self._tensor([r.output_ids[-1] for r in reqs]),
                                       is_verify=False, logits_rows=range(len(reqs)))
-        st = self.sampling([r.params for r in reqs])
-        sampled = sample_next(out.logits, st, self._tensor(anchors) + 1)
+        sampled = sample_next(out.logits, st, positions)
         if top_logprobs is not None:
             self.logprobs = self._committed_logprobs(out.logits, st, sampled, range(len(reqs)), top_logprobs)
         return sampled.tolist()

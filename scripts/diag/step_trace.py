@@ -1,0 +1,159 @@
+"""One captured step's kernels, in order, on the GPU: where a decode or speculative step's time goes.
+
+    python3 scripts/diag/step_trace.py --model bench/shapes/qwen3.5-35b-a3b \
+        --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --prompt-len 512 --out trace.json
+
+Builds the engine as ``ft bench`` does (dummy weights, simulated acceptance for speculative
+settings), generates once so the step graphs are captured, then replays the one-request step graph
+(the decode forward for ``off``, the whole speculative step otherwise) and, for DFlash, a graph of
+the draft's propose alone, under the torch profiler. Reports per graph: the CUDA-event time of a
+replay, the sum of its kernels' times (the difference is the GPU's idle gaps between kernels), the
+kernel count, a table by kernel name, and the first ``--list`` kernels in launch order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+from dflash2.bench.measure import cuda_time
+from dflash2.bench.run import SETTINGS, SimulatedAcceptance
+from dflash2.fast.kernels.sampler import SamplingTensors
+from dflash2.fast.llm import LLM
+from dflash2.reference.request.sampling_params import SamplingParams
+
+
+def kernels_of(fn, reps: int = 3) -> list[tuple[str, float]]:
+    """(name, us) of every kernel of the last of ``reps`` calls of ``fn``, in start order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+            torch.cuda.synchronize()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    per_call = len(kernels) // reps
+    return [(e["name"], float(e["dur"])) for e in kernels[-per_call:]]
+
+
+def report(label: str, fn, listed: int) -> dict:
+    wall_us = 1e6 * cuda_time(fn, reps=20)
+    kernels = kernels_of(fn)
+    busy = sum(d for _, d in kernels)
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for name, dur in kernels:
+        by_name[name][0] += 1
+        by_name[name][1] += dur
+    table = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    print(f"\n== {label}: replay {wall_us:.1f} us, kernels {busy:.1f} us busy ({busy / wall_us:.0%}), "
+          f"{len(kernels)} kernels, idle {wall_us - busy:.1f} us")
+    for name, (calls, dur) in table[:40]:
+        print(f"  {dur:9.1f} us {dur / wall_us:6.1%} {calls:5d}x  {name[:110]}")
+    print(f"  -- first {listed} in order --")
+    for name, dur in kernels[:listed]:
+        print(f"  {dur:8.2f}  {name[:120]}")
+    return {"label": label, "replay_us": wall_us, "busy_us": busy, "num_kernels": len(kernels),
+            "by_name": [{"name": n, "calls": c, "us": d} for n, (c, d) in table],
+            "ordered": [{"name": n, "us": d} for n, d in kernels]}
+
+
+def host_profile(llm, prompt: list[int], tokens: int) -> None:
+    """Where the host's time goes in a generate of ``tokens`` tokens (cProfile; a device wait shows as
+    the time of the call that synchronises, e.g. ``tolist``), and the runner's step times."""
+    import cProfile
+    import pstats
+    import time
+
+    runner = llm.engine.runner
+    times = collections.defaultdict(list)
+    for kind in ("decode", "verify", "prefill"):
+        fn = getattr(runner, kind)
+
+        def timed(plan, *a, _fn=fn, _kind=kind, **kw):
+            start = time.perf_counter()
+            out = _fn(plan, *a, **kw)
+            times[_kind].append(time.perf_counter() - start)
+            return out
+        setattr(runner, kind, timed)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], params)
+    times.clear()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate([prompt], params)
+    profiler.disable()
+    for kind, values in times.items():
+        values = sorted(values)
+        print(f"host: {kind} x{len(values)} median {1e3 * values[len(values) // 2]:.3f} ms")
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("tottime").print_stats(30)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--draft", default=None)
+    p.add_argument("--setting", default="off", choices=sorted(SETTINGS))
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--tokens-per-step", type=float, default=5.4)
+    p.add_argument("--list", type=int, default=120, help="kernels to print in launch order")
+    p.add_argument("--out", default=None)
+    p.add_argument("--host-profile", type=int, default=0, help="also cProfile a generate of this many tokens")
+    args = p.parse_args()
+    algorithm, k = SETTINGS[args.setting]
+    llm = LLM(args.model, max_running_req=1, load_format="dummy", seed=0, speculative_algorithm=algorithm,
+              speculative_num_steps=k, speculative_draft_model_path=args.draft if algorithm == "dflash" else None,
+              max_model_len=args.prompt_len + 64 + 64)
+    runner = llm.engine.runner
+    if algorithm != "none":
+        runner.simulated_accept = SimulatedAcceptance(args.tokens_per_step)
+    vocab = llm.engine.model.target_cfg.vocab_size
+    prompt = torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    torch.cuda.synchronize()
+    results = []
+    graphs = runner.step_graphs if algorithm != "none" else runner.graphs
+    steps = [(key, step) for key, step in graphs.graphs.items() if key.num_seqs == 1]
+    if not steps:
+        sys.exit(f"no one-request graph captured; keys: {list(graphs.graphs)}")
+    key, step = max(steps, key=lambda item: item[0].rows_per_seq)  # k + 1 rows: the steady state
+    results.append(report(f"{args.setting} step {key}", step.graph.replay, args.list))
+    if algorithm == "dflash":
+        device = runner.device
+        tokens = torch.ones(1, dtype=torch.long, device=device)
+        anchors = torch.full((1,), args.prompt_len, dtype=torch.long, device=device)
+        slots = torch.zeros(1, dtype=torch.long, device=device)
+        tables = torch.zeros(1, 64, dtype=torch.int32, device=device)
+        st = SamplingTensors.from_params([SamplingParams(temperature=0.0)], device=device)
+        fn = lambda: runner.proposer.propose(tokens, anchors, slots, tables, k, st)  # noqa: E731
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        results.append(report("draft propose (graph)", graph.replay, args.list))
+    if args.host_profile:
+        host_profile(llm, prompt, args.host_profile)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
