@@ -16,6 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash2.fast.model import gdn as gdn_module
+from dflash2.fast.model import pools as pools_module
 from dflash2.fast.model.pools import CachePools, commit_verify
 from dflash2.fast.model.step import StepMeta
 from dflash2.fast.model.target import FastTarget
@@ -227,6 +229,20 @@ def test_fast_target_fp32_whole_model_matches_reference(checkpoint, device):
     """
     log = ErrorLog(f"NUMERIC fp32 {checkpoint[0]} target ({device})", BOUNDS[torch.float32])
     run = Run(checkpoint, torch.float32, device, log)
+    run.scenario()
+    run.check_untouched_memory()
+    REPORT.append(log)
+    assert max(log.pooled_error.values()) <= log.bound, "\n".join(log.lines())
+
+
+def test_fast_target_on_the_gdn_kernel_paths_matches_reference(dense_checkpoint, monkeypatch):
+    """The whole scenario with the GDN layers dispatched as on CUDA (pretended: Triton's interpreter runs
+    the kernels on the CPU tensors): the fused prologue, the recurrence reading the slots in place and,
+    in decode steps, writing them in place, and the one-launch commit of every layer. NUMERIC fp32."""
+    monkeypatch.setattr(gdn_module, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(pools_module, "use_triton", lambda *tensors: True)
+    log = ErrorLog(f"NUMERIC fp32 {dense_checkpoint[0]} target, GDN kernel paths (interpreter)", BOUNDS[torch.float32])
+    run = Run(dense_checkpoint, torch.float32, "cpu", log)
     run.scenario()
     run.check_untouched_memory()
     REPORT.append(log)

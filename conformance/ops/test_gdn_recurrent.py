@@ -3,7 +3,9 @@ ragged row counts (decode, verify, a prefill longer than 16 rows), GVA (Hv = 2 o
 head dims and Dv split over several program blocks, starting states read through ``state_index``
 from a pool whose other rows are NaN (a negative index starts from zeros). NUMERIC on the outputs,
 the final states and every captured row state; EXACT on what must stay untouched: the state pool,
-and every scratch row outside ``[:B, :max_rows]`` (NaN-poisoned)."""
+and every scratch row outside ``[:B, :max_rows]`` (NaN-poisoned). With ``final_state_index`` (the
+decode step's in-place write into the pool): EXACT against the returned final states, rows no
+sequence writes untouched."""
 
 from __future__ import annotations
 
@@ -134,6 +136,32 @@ def test_gdn_recurrent_without_capture(impl_device, report):
                   row_states=scratch, output_final_state=False)
     assert final is None
     report.numeric("rows/float32", scratch, case.expected_rows, NUMERIC_BOUND[torch.float32])
+
+
+@pytest.mark.parametrize("lens", [[1, 1, 1, 1], [3, 1, 2]], ids=["decode", "ragged"])
+def test_gdn_recurrent_writes_final_states_in_place(impl_device, report, lens):
+    """``final_state_index``: the final states land in the pool itself, read and written in place (sequence b
+    reads row ``state_index[b]`` and writes the same row; the zero-start one reads nothing and writes a row
+    that held NaN), bit for bit the states the kernel returns without it; no other row changes."""
+    impl, device = impl_device
+    fn = pick(impl, gated_delta_rule_verify_torch, gated_delta_rule_verify_triton)
+    kwargs = {"block_v": 16} if impl == "triton" else {}
+    case = make_case(lens, 2, 4, 16, 20, seed=9, zero_start=(1,))
+    free = [i for i in range(case.pool.shape[0]) if i not in case.state_index.tolist()]
+    write_index = torch.where(case.state_index < 0, free[0], case.state_index)  # [B]
+    inputs = [t.to(device) for t in (case.q, case.k, case.v, case.g, case.beta)]
+    args = dict(state_index=case.state_index.to(device), **kwargs)
+    pool = case.pool.to(device)
+    o_dense, final = fn(*inputs, pool.clone(), case.cu_seqlens.to(device), case.max_rows, **args)
+    o, none = fn(*inputs, pool, case.cu_seqlens.to(device), case.max_rows, output_final_state=False,
+                 final_state_index=write_index.to(device), **args)
+    assert none is None
+    assert torch.equal(o, o_dense) and torch.equal(pool[write_index.to(device)], final), \
+        "in place differs from the returned final states"
+    report.numeric("pool/float32", pool[write_index.to(device)], case.expected_final, NUMERIC_BOUND[torch.float32])
+    others = [i for i in range(case.pool.shape[0]) if i not in write_index.tolist()]
+    assert pool.cpu()[others].isnan().equal(case.pool[others].isnan()), "a row no sequence writes changed"
+    assert pool.cpu()[others].nan_to_num().equal(case.pool[others].nan_to_num()), "a row no sequence writes changed"
 
 
 def test_gdn_recurrent_dense_states_without_index(impl_device, report):

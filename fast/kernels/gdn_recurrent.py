@@ -13,13 +13,18 @@ dtype in; all arithmetic in fp32; o ``[N, Hv, Dv]`` fp32.
 
 State in: ``initial_state`` fp32 ``[S, Hv, Dk, Dv]``; sequence b starts from row
 ``state_index[b]`` of it (default b; a negative index starts from zeros and reads nothing, so a
-NaN there cannot leak). State out, either or both:
+NaN there cannot leak). State out, any of:
 
 - ``row_states`` (verify capture): fp32 ``[>= B, >= max_rows, Hv, Dk, Dv]`` receives the state
   after every row r < ``max_rows`` at ``[b, r]``; rows of a sequence shorter than ``max_rows``
   carry its final state on (as the torch path does). Nothing else in it is written; the slots
   are never touched (the engine's commit installs the state it keeps).
 - ``output_final_state``: the state after each sequence's last row, fp32 ``[B, Hv, Dk, Dv]``.
+- ``final_state_index`` (decode): the same final states written in place into the pool
+  ``initial_state`` at row ``final_state_index[b]``. Safe with ``state_index`` pointing at the same
+  rows: each program reads its whole ``[Dk, block_v]`` tile of the state first and writes it last
+  (a zero-state sequence reads nothing, index -1, and still writes its row); rows written by two
+  sequences (the trash slot of padding sequences) end up holding one of them.
 
 ``gated_delta_rule_verify_torch`` pads the rows to ``[B, max_rows]`` and loops (CPU, or any
 device as a fallback). ``gated_delta_rule_verify_triton``: one program per (sequence, value head,
@@ -56,7 +61,8 @@ def check_gdn_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, i
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, cu_seqlens: Tensor,
-           max_rows: int, state_index: Tensor | None, row_states: Tensor | None) -> int:
+           max_rows: int, state_index: Tensor | None, row_states: Tensor | None,
+           final_state_index: Tensor | None = None) -> int:
     check_gdn_inputs(q, k, v, g, beta, initial_state)
     rows, key_heads, key_dim = q.shape
     _, value_heads, value_dim = v.shape
@@ -67,6 +73,9 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_sta
         raise ValueError(f"initial_state has {initial_state.shape[0]} states for {batch} sequences")
     if state_index is not None and state_index.shape != (batch,):
         raise ValueError(f"state_index {list(state_index.shape)}: expected [{batch}]")
+    if final_state_index is not None and (final_state_index.shape != (batch,) or initial_state.dtype != torch.float32):
+        raise ValueError(f"final_state_index {list(final_state_index.shape)} into {initial_state.dtype} states: "
+                         f"expected [{batch}] into fp32")
     if row_states is not None:
         if (row_states.dim() != 5 or row_states.shape[0] < batch or row_states.shape[1] < max_rows
                 or row_states.shape[2:] != initial_state.shape[1:] or row_states.dtype != torch.float32):
@@ -78,11 +87,13 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_sta
 def gated_delta_rule_verify_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
                                   cu_seqlens: Tensor, max_rows: int, *, state_index: Tensor | None = None,
                                   row_states: Tensor | None = None, output_final_state: bool = True,
+                                  final_state_index: Tensor | None = None,
                                   block_v: int | None = None) -> tuple[Tensor, Tensor | None]:
     """q, k [N, Hk, Dk], v [N, Hv, Dv], g, beta [N, Hv], initial_state fp32 [S, Hv, Dk, Dv], cu_seqlens [B+1]
     (at most ``max_rows`` rows each). Returns ``(o [N, Hv, Dv] fp32, final state [B, Hv, Dk, Dv] fp32 or None)``;
-    fills ``row_states[:B, :max_rows]`` when given. ``block_v`` is the Triton launcher's and unused here."""
-    batch = _check(q, k, v, g, beta, initial_state, cu_seqlens, max_rows, state_index, row_states)
+    fills ``row_states[:B, :max_rows]`` when given, and ``initial_state[final_state_index]`` with the final
+    states when given. ``block_v`` is the Triton launcher's and unused here."""
+    batch = _check(q, k, v, g, beta, initial_state, cu_seqlens, max_rows, state_index, row_states, final_state_index)
     rows, value_heads = v.shape[:2]
     ratio = value_heads // q.shape[1]
     cu = cu_seqlens.long()
@@ -111,6 +122,8 @@ def gated_delta_rule_verify_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
         if row_states is not None:
             row_states[:batch, t] = s
     o = torch.stack(outputs, dim=1)[seq_index, row_in_seq]  # [N, Hv, Dv]
+    if final_state_index is not None:  # s was computed from a copy of the starting states
+        initial_state.index_copy_(0, final_state_index.long(), s)
     return o, (s if output_final_state else None)
 
 
@@ -118,11 +131,12 @@ def gated_delta_rule_verify_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
 
 @triton.jit
 def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, state_index_ptr, cu_ptr, o_ptr,
-                          final_ptr, rows_ptr, stride_q, stride_k, stride_v, stride_g, stride_beta, stride_h0,
-                          stride_rows_b, stride_rows_r, max_rows,
+                          final_ptr, rows_ptr, final_index_ptr, stride_q, stride_k, stride_v, stride_g,
+                          stride_beta, stride_h0, stride_rows_b, stride_rows_r, max_rows,
                           ROWS: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr,
                           DV: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
-                          USE_STATE_INDEX: tl.constexpr, CAPTURE: tl.constexpr, STORE_FINAL: tl.constexpr):
+                          USE_STATE_INDEX: tl.constexpr, CAPTURE: tl.constexpr, STORE_FINAL: tl.constexpr,
+                          STORE_IN_POOL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     key_head = h // RATIO
@@ -160,6 +174,10 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, state_in
                      mask=in_s & (r < max_rows))
     if STORE_FINAL:
         tl.store(final_ptr + b.to(tl.int64) * (HV * DK * DV) + s_offs, s, mask=in_s)
+    if STORE_IN_POOL:  # in place: this program read its tile of the pool above, before the row loop
+        final_row = tl.load(final_index_ptr + b).to(tl.int64)
+        tl.debug_barrier()  # every thread's read of the old tile happens before any write of the new one
+        tl.store(h0_ptr + final_row * stride_h0 + s_offs, s, mask=in_s)
 
 
 def _rows_ok(t: Tensor) -> Tensor:
@@ -170,10 +188,11 @@ def _rows_ok(t: Tensor) -> Tensor:
 def gated_delta_rule_verify_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
                                    cu_seqlens: Tensor, max_rows: int, *, state_index: Tensor | None = None,
                                    row_states: Tensor | None = None, output_final_state: bool = True,
+                                   final_state_index: Tensor | None = None,
                                    block_v: int | None = None) -> tuple[Tensor, Tensor | None]:
     """``gated_delta_rule_verify_torch`` by the Triton kernel (same arguments and result); ``block_v``
     (a power of two) is the Dv slice each program keeps, default ``min(32, next_power_of_2(Dv))``."""
-    batch = _check(q, k, v, g, beta, initial_state, cu_seqlens, max_rows, state_index, row_states)
+    batch = _check(q, k, v, g, beta, initial_state, cu_seqlens, max_rows, state_index, row_states, final_state_index)
     rows, value_heads, value_dim = v.shape
     key_heads, key_dim = q.shape[1:]
     q, k, v = (_rows_ok(t) for t in (q, k, v))
@@ -193,11 +212,12 @@ def gated_delta_rule_verify_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b
         q, k, v, g, beta, initial_state,
         dummy if state_index is None else state_index.to(torch.int64).contiguous(),
         cu_seqlens.contiguous(), o, dummy if final is None else final, dummy if row_states is None else row_states,
-        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), initial_state.stride(0),
+        dummy if final_state_index is None else final_state_index.contiguous(), q.stride(0), k.stride(0),
+        v.stride(0), g.stride(0), beta.stride(0), initial_state.stride(0),
         0 if row_states is None else row_states.stride(0), 0 if row_states is None else row_states.stride(1),
         max_rows,
         ROWS=max_rows if max_rows <= EXACT_ROWS else triton.next_power_of_2(max_rows), HV=value_heads,
         RATIO=value_heads // key_heads, DK=key_dim, DV=value_dim, DK_PAD=triton.next_power_of_2(key_dim),
         BLOCK_V=block_v, USE_STATE_INDEX=state_index is not None, CAPTURE=row_states is not None,
-        STORE_FINAL=final is not None)
+        STORE_FINAL=final is not None, STORE_IN_POOL=final_state_index is not None)
     return o, final

@@ -23,7 +23,8 @@ rows to ``[B, Tq, ...]`` and loop the recurrence over time. Padded steps leave t
 unchanged (g = 0, beta = 0, k = 0), so the state after the loop is each sequence's own final
 state. :func:`gated_delta_rule`, the op's default, sends CUDA tensors to the kernels
 (fast/kernels/gdn_recurrent.py, fast/kernels/gdn_prefill.py) and everything else to the torch
-form; with it, decode and verify steps read the starting states from the slot pool in place.
+form; with it, decode and verify steps read the starting states from the slot pool in place, and
+decode steps write the final states back into it in place.
 """
 
 from __future__ import annotations
@@ -202,19 +203,20 @@ class FastGDN:
         on a verify step). Returns o ``[N, Hv, Dv]`` fp32.
 
         With the default op on CUDA, decode and verify steps hand the kernel the slot pool and each
-        sequence's slot (-1: the zero state) instead of a gathered copy of the states, which saves
-        two state-sized copies per layer; the result is the same.
+        sequence's slot to read (``meta.readable_state_index``: -1 for the zero state, one ``where``
+        per step) instead of a gathered copy of the states, and a decode step has the kernel write
+        the final states into the slots in place: no state-sized copy at all, the same result.
         """
         row_states = slots.verify_recurrent if meta.is_verify else None
         if (self.gated_delta_rule is gated_delta_rule and use_triton(q, slots.recurrent_storage)
                 and (meta.is_verify or meta.max_query_len == 1)):
-            readable = torch.where(meta.zero_state, -1, meta.state_index)  # [B]
-            o, final = gated_delta_rule_verify_triton(q, k, v, g, beta, slots.recurrent_storage, meta.cu_seqlens,
-                                                      meta.max_query_len, state_index=readable,
-                                                      row_states=row_states, output_final_state=not meta.is_verify)
-        else:
-            start = slots.read_recurrent(meta.state_index, meta.zero_state)
-            o, final = self.gated_delta_rule(q, k, v, g, beta, start, meta, row_states)
+            o, _ = gated_delta_rule_verify_triton(q, k, v, g, beta, slots.recurrent_storage, meta.cu_seqlens,
+                                                  meta.max_query_len, state_index=meta.readable_state_index,
+                                                  row_states=row_states, output_final_state=False,
+                                                  final_state_index=None if meta.is_verify else meta.state_index)
+            return o
+        start = slots.read_recurrent(meta.state_index, meta.zero_state)
+        o, final = self.gated_delta_rule(q, k, v, g, beta, start, meta, row_states)
         if not meta.is_verify:  # the prologue wrote the conv state
             slots.recurrent_storage.index_copy_(0, meta.state_index, final.float())
         return o

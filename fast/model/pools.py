@@ -26,7 +26,9 @@ row's conv input in ``verify_conv_inputs[b, r]``. :func:`commit_verify` then ins
 after row ``num_rows_kept - 1``: the recurrent state is copied, and the conv state is derived, since
 the conv state after row r is the last K-1 entries of [pre-step conv state ; inputs of rows 0..r]
 and the pre-step state is still in the slot. Storing inputs instead of K-1 wide conv states keeps
-the conv scratch (K-1)x smaller.
+the conv scratch (K-1)x smaller. The four GDN tensors of all layers are allocated stacked on a
+leading layer axis (:class:`GDNStack`; each layer's :class:`GDNSlots` are views), so the commit of
+every layer is one kernel launch on CUDA (fast/kernels/gdn_commit.py).
 
 Fresh buffers are zeros, or NaN with ``poison=True`` (tests: a read of memory nobody wrote turns
 the output into NaN).
@@ -39,6 +41,8 @@ from torch import Tensor
 
 from dflash2.reference.formats.config import TargetConfig
 
+from ..kernels.gdn_commit import commit_verify_torch, commit_verify_triton
+from ..kernels.triton_compat import use_triton
 from .batch import ForwardBatch
 
 
@@ -97,18 +101,33 @@ class PagedKV:
         self.value_storage.index_copy_(0, write_index, v.to(self.value_storage.dtype))
 
 
-class GDNSlots:
-    """One linear-attention layer's state slots and verify scratch."""
+class GDNStack:
+    """Every linear-attention layer's state slots and verify scratch, stacked on a leading layer axis L
+    (``[L, ...]``, L = number of GDN layers in ``cfg.linear_attention_layers`` order) so that
+    :func:`commit_verify` is one launch for all layers; :class:`GDNSlots` are views of one layer."""
 
     def __init__(self, cfg: TargetConfig, num_slots: int, max_verify_seqs: int, max_verify_rows: int,
                  dtype: torch.dtype, device: torch.device, poison: bool):
         hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         conv_dim, taps = cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1
+        layers = len(cfg.linear_attention_layers)
         self.num_slots = num_slots
-        self.conv_storage = _fresh((num_slots + 1, conv_dim, taps), dtype, device, poison)  # + trash slot
-        self.recurrent_storage = _fresh((num_slots + 1, hv, dk, dv), torch.float32, device, poison)
-        self.verify_conv_inputs = _fresh((max_verify_seqs, max_verify_rows, conv_dim), dtype, device, poison)
-        self.verify_recurrent = _fresh((max_verify_seqs, max_verify_rows, hv, dk, dv), torch.float32, device, poison)
+        self.conv_storage = _fresh((layers, num_slots + 1, conv_dim, taps), dtype, device, poison)  # + trash slot
+        self.recurrent_storage = _fresh((layers, num_slots + 1, hv, dk, dv), torch.float32, device, poison)
+        self.verify_conv_inputs = _fresh((layers, max_verify_seqs, max_verify_rows, conv_dim), dtype, device, poison)
+        self.verify_recurrent = _fresh((layers, max_verify_seqs, max_verify_rows, hv, dk, dv), torch.float32,
+                                       device, poison)
+
+
+class GDNSlots:
+    """One linear-attention layer's state slots and verify scratch: layer ``i`` of a :class:`GDNStack`."""
+
+    def __init__(self, stack: GDNStack, i: int):
+        self.num_slots = stack.num_slots
+        self.conv_storage = stack.conv_storage[i]  # [num_slots + 1, conv_dim, K-1]: + the trash slot
+        self.recurrent_storage = stack.recurrent_storage[i]  # [num_slots + 1, Hv, Dk, Dv] fp32
+        self.verify_conv_inputs = stack.verify_conv_inputs[i]  # [max_verify_seqs, max_verify_rows, conv_dim]
+        self.verify_recurrent = stack.verify_recurrent[i]  # [max_verify_seqs, max_verify_rows, Hv, Dk, Dv] fp32
 
     @property
     def conv(self) -> Tensor:
@@ -118,20 +137,12 @@ class GDNSlots:
     def recurrent(self) -> Tensor:
         return self.recurrent_storage[:self.num_slots]  # [num_slots, Hv, Dk, Dv] fp32
 
-    def read_conv(self, state_index: Tensor, zero_state: Tensor) -> Tensor:
-        """The step's starting conv states ``[B, conv_dim, K-1]``; ``zero_state [B]`` sequences get zeros.
+    def read_recurrent(self, state_index: Tensor, zero_state: Tensor) -> Tensor:
+        """The step's starting recurrent states, fp32 ``[B, Hv, Dk, Dv]``; zeros for ``zero_state``.
 
         ``torch.where`` rather than a multiply, so a NaN in an ignored slot is never read.
         """
-        return torch.where(zero_state[:, None, None], 0.0, self.conv_storage[state_index])
-
-    def read_recurrent(self, state_index: Tensor, zero_state: Tensor) -> Tensor:
-        """The step's starting recurrent states, fp32 ``[B, Hv, Dk, Dv]``; zeros for ``zero_state``."""
         return torch.where(zero_state[:, None, None, None], 0.0, self.recurrent_storage[state_index])
-
-    def write(self, state_index: Tensor, conv: Tensor, recurrent: Tensor) -> None:
-        self.conv_storage.index_copy_(0, state_index, conv.to(self.conv_storage.dtype))
-        self.recurrent_storage.index_copy_(0, state_index, recurrent.float())
 
 
 class CachePools:
@@ -139,8 +150,9 @@ class CachePools:
 
     ``attention[layer]``: :class:`PagedKV` per full-attention layer (target layer index);
     ``mtp``: the MTP layer's :class:`PagedKV` (None without an MTP head or with ``mtp=False``);
-    ``gdn[layer]``: :class:`GDNSlots` per linear-attention layer. Verify scratch is indexed by the
-    sequence's position b in the verify batch, so ``max_verify_seqs`` (default ``num_slots``) bounds B.
+    ``gdn[layer]``: :class:`GDNSlots` per linear-attention layer, views of ``gdn_stack`` (:class:`GDNStack`).
+    Verify scratch is indexed by the sequence's position b in the verify batch, so ``max_verify_seqs``
+    (default ``num_slots``) bounds B.
     """
 
     def __init__(self, cfg: TargetConfig, num_pages: int, page_size: int, num_slots: int, max_verify_rows: int,
@@ -161,8 +173,8 @@ class CachePools:
         kv_shape = (self.num_kv_slots, cfg.num_key_value_heads, cfg.head_dim)
         self.attention = {layer: PagedKV(*kv_shape, dtype, device, poison) for layer in cfg.full_attention_layers}
         self.mtp = PagedKV(*kv_shape, dtype, device, poison) if self.has_mtp else None
-        self.gdn = {layer: GDNSlots(cfg, num_slots, self.max_verify_seqs, max_verify_rows, dtype, device, poison)
-                    for layer in cfg.linear_attention_layers}
+        self.gdn_stack = GDNStack(cfg, num_slots, self.max_verify_seqs, max_verify_rows, dtype, device, poison)
+        self.gdn = {layer: GDNSlots(self.gdn_stack, i) for i, layer in enumerate(cfg.linear_attention_layers)}
 
     @property
     def num_kv_slots(self) -> int:
@@ -199,16 +211,10 @@ def commit_verify(pools: CachePools, batch: ForwardBatch, num_rows_kept: Tensor)
     ``batch`` is the verify batch the forward ran (same sequence order); ``num_rows_kept [B]`` is
     ``num_accepted + 1`` (the anchor and the accepted drafts), each in 1 .. rows of its sequence.
     K/V needs no rollback: rows past ``context_lens`` are never read and get overwritten.
+    Every GDN layer at once (fast/kernels/gdn_commit.py): one kernel on CUDA, the torch form elsewhere.
     """
-    num_seqs = batch.num_seqs
-    kept = num_rows_kept.to(device=pools.device, dtype=torch.long)  # [B]
-    state_index = pools.state_index(batch.state_slots)
-    zero_state = zero_state_mask(batch)  # [B]
-    taps = pools.cfg.linear_conv_kernel_dim - 1
-    window_index = (kept[:, None] + torch.arange(taps, device=pools.device))[:, None, :]  # [B, 1, K-1]
-    rows = torch.arange(num_seqs, device=pools.device)
-    for slots in pools.gdn.values():
-        conv = slots.read_conv(state_index, zero_state)  # [B, conv_dim, K-1]: the pre-step conv state
-        window = torch.cat([conv, slots.verify_conv_inputs[:num_seqs].transpose(1, 2)], dim=2)  # [B, conv_dim, K-1+R]
-        new_conv = window.gather(2, window_index.expand(-1, window.shape[1], -1))  # [B, conv_dim, K-1]
-        slots.write(state_index, new_conv, slots.verify_recurrent[rows, kept - 1])
+    kept = num_rows_kept.to(pools.device)  # [B] integer (the kernel reads any; the torch form makes it long)
+    stack = pools.gdn_stack
+    tensors = (stack.conv_storage, stack.recurrent_storage, stack.verify_conv_inputs, stack.verify_recurrent)
+    commit = commit_verify_triton if use_triton(*tensors) else commit_verify_torch
+    commit(*tensors, pools.state_index(batch.state_slots), zero_state_mask(batch), kept)

@@ -16,6 +16,7 @@ not carry it. The batch's tensors live on the pools' device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -80,6 +81,16 @@ class StepMeta:
             kv_write_index=pools.kv_write_index(batch.kv_slot_mapping), kv_gather=kv_gather, kv_valid=kv_valid,
             block_tables=batch.block_tables.to(torch.int32), context_lens=context_lens, page_size=page_size,
             rope_cos=rope_cos, rope_sin=rope_sin)
+
+    @cached_property
+    def readable_state_index(self) -> Tensor:
+        """GDN slot each sequence reads its starting state from, -1 (read nothing) where ``zero_state``  # [B] long.
+
+        Built on first use and kept, so the step's GDN layers share one ``where`` (a cached_property
+        writes the instance dict, which the frozen dataclass allows; inside a CUDA-graph capture the
+        tensor is captured with the first layer that asks).
+        """
+        return torch.where(self.zero_state, -1, self.state_index)
 
     def pad(self, x: Tensor) -> Tensor:
         """Rows ``[N, ...]`` to the padded per-sequence layout ``[B, Tq, ...]`` (zeros past each sequence)."""
