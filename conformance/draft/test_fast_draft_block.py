@@ -3,12 +3,25 @@
 Several requests at different anchors share one ``forward_blocks`` call: an anchor with fewer
 than W-1 committed rows, exactly W-1, a wrapped ring, and (window 2048) a prompt longer than the
 ring written in one call, so the in-call "last row wins" rule decides the slots.
+
+The block side's CUDA composition (fused norms, the conv kernel with the residual add, the q/k
+prologue kernel, the split-window ring attention as planned for an H200's 132 SMs) is run here too,
+on the CPU under Triton's interpreter, against the same reference at the same fp32 bound.
 """
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
+import dflash2.fast.kernels.dynamic_conv as dynamic_conv
+import dflash2.fast.kernels.paged_attention as paged_attention
+import dflash2.fast.kernels.ring_attention as ring_attention
+import dflash2.fast.model.norm as norm
+import dflash2.fast.model.rope as rope
+from dflash2.fast.kernels.triton_compat import HAS_TRITON
 from dflash2.fast.model.draft import batch_invariant_linear
 from dflash2.fast.speculative.dflash import FastDFlashProposer
 from dflash2.reference.speculative.ring import Ring
@@ -102,6 +115,22 @@ def test_blocks_match_the_reference_small_window(small_window, tiny_target):
 def test_blocks_match_the_reference_released_window(released_window, tiny_target):
     """W = 2048, ring 2112: a 2200-row prompt written in one call wraps the ring; 2047 and 9 rows."""
     _compare_blocks(released_window, tiny_target, [2200, 2047, 9], [2, 0, 1], 3, "blocks W=2048")
+
+
+@pytest.fixture
+def cuda_kernels(monkeypatch):
+    """Every block-side dispatch sent to its Triton kernel (the interpreter without a GPU), planned for 132 SMs."""
+    if not HAS_TRITON or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("needs Triton on CUDA or its interpreter")
+    for module in (norm, rope, dynamic_conv, ring_attention):
+        monkeypatch.setattr(module, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(paged_attention, "_sm_count", lambda device: 132)
+
+
+def test_blocks_match_the_reference_with_the_cuda_kernels(small_window, released_window, tiny_target, cuda_kernels):
+    """The two tests above, every block-side op by its kernel (W = 2048: 32 splits of 64 keys, then the merge)."""
+    _compare_blocks(small_window, tiny_target, [3, 23, 40, 150, 89], [6, 0, 3, 1, 4], 7, "blocks W=24, kernels")
+    _compare_blocks(released_window, tiny_target, [2200, 2047, 9], [2, 0, 1], 3, "blocks W=2048, kernels")
 
 
 def test_rows_outside_a_blocks_window_are_never_read(small_window):

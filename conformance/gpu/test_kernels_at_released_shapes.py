@@ -12,12 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash2.fast.kernels.attention_prologue import draft_qk_norm_rope_triton
+from dflash2.fast.kernels.dynamic_conv import grouped_dynamic_conv_torch, grouped_dynamic_conv_triton
 from dflash2.fast.kernels.philox import keyed_uniform_torch, keyed_uniform_triton
 from dflash2.fast.kernels.rejection import verify_torch, verify_triton
 from dflash2.fast.kernels.ring_attention import ring_attention_torch, ring_attention_triton
 from dflash2.fast.kernels.sampler import SamplingTensors, sample_torch, sample_triton, target_probs_torch
 from dflash2.fast.kernels.sampler import target_probs_triton
 from dflash2.fast.kernels.selector import select_torch, select_triton
+from dflash2.fast.model.rope import draft_qk_norm_rope_torch, rope_cos_sin
 from dflash2.reference.request.rng import Purpose
 from dflash2.reference.request.sampling_params import SamplingParams
 
@@ -110,3 +113,47 @@ def test_ring_attention_at_released_draft_shapes(dtype):
     ref = ring_attention_torch(q, block_k, block_v, ring_k, ring_v, ring_slots, anchors, window)
     bound = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     assert rms_rel(out, ref) < bound
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_split_ring_attention_replays_bit_for_bit(batch):
+    """The split-window kernels at B = 1 (32 splits) and 16 (2 splits): a CUDA-graph replay equals an eager call."""
+    heads, kv_heads, dim, window = 32, 8, 128, 2048
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).bfloat16()  # noqa: E731
+    q, block_k, block_v = rand(batch * BLOCK, heads, dim), rand(batch * BLOCK, kv_heads, dim), rand(batch * BLOCK,
+                                                                                                 kv_heads, dim)
+    ring_k, ring_v = rand(batch + 1, window + 64, kv_heads, dim), rand(batch + 1, window + 64, kv_heads, dim)
+    ring_slots = torch.arange(batch, device="cuda")
+    anchors = torch.randint(0, 20_000, (batch,), device="cuda", generator=gen)
+    anchors[0] = 300  # partly before position 0
+    args = (q, block_k, block_v, ring_k, ring_v, ring_slots, anchors, window)
+    eager = ring_attention_triton(*args)
+    assert rms_rel(eager, ring_attention_torch(*args)) < 2e-2
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ring_attention_triton(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ring_attention_triton(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+def test_draft_block_kernels_at_released_shapes():
+    """The draft's conv side (with the residual) and q/k prologue at C = 5120, G = 16, 32/8 heads of 128, B = 16."""
+    rows, heads, kv_heads, dim = 16 * BLOCK, 32, 8, 128
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).bfloat16()  # noqa: E731
+    x, residual = rand(16, BLOCK, HIDDEN), rand(16, BLOCK, HIDDEN)
+    base, delta = rand(2, HIDDEN) * 0.5, rand(16, BLOCK, 2, 2, HIDDEN // 16)[:, :, 1] * 0.2
+    conv = grouped_dynamic_conv_triton(x, base, delta, 16, residual)
+    assert rms_rel(conv, grouped_dynamic_conv_torch(x.float(), base.float(), delta.float(), 16, residual.float())) < 2e-2
+    q, kv = rand(rows, heads, dim), rand(rows, 2 * kv_heads, dim)
+    scales = [1.0 + 0.3 * torch.randn(dim, device="cuda", generator=gen) for _ in range(2)]
+    cos, sin = rope_cos_sin(torch.randint(0, 100_000, (rows,), device="cuda", generator=gen), dim, 1e7)
+    got = draft_qk_norm_rope_triton(q, kv[:, :kv_heads], *scales, cos, sin, 1e-6)
+    ref = draft_qk_norm_rope_torch(q.float(), kv[:, :kv_heads].float(), *scales, cos, sin, 1e-6)
+    assert rms_rel(got[0], ref[0]) < 2e-2 and rms_rel(got[1], ref[1]) < 2e-2

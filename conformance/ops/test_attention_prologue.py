@@ -14,6 +14,12 @@ from the poisoned projection (row stride ``H*2D + 2*Hkv*D``, head stride 2D).
 
 Planted bugs: the rotation's sign flipped (sin negated), and the gate read from the query half of
 each head, must fail.
+
+The draft's prologue (``draft_qk_norm_rope``): q and k read as views into NaN-poisoned projection
+buffers (k the first half of a [k | v] row, as the draft's fused K/V projection), full rotation
+(rd = D, with D = 20 padded to 32 in the kernel), Qwen3 norms with the weights as stored, against
+reference/model/draft.qwen3_rms_norm + reference/model/rope.apply_rope (fp32 1e-5, bf16 2e-2) and the
+Triton launcher against the torch twin; the planted bug is q's weight used for k.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ import pytest
 import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.attention_prologue import output_gate_torch, output_gate_triton, qk_norm_rope_triton
-from dflash2.fast.model.rope import qk_norm_rope_torch, rope_cos_sin
+from dflash2.fast.kernels.attention_prologue import (draft_qk_norm_rope_triton, output_gate_torch, output_gate_triton,
+                                                     qk_norm_rope_triton)
+from dflash2.fast.model.rope import draft_qk_norm_rope_torch, qk_norm_rope_torch, rope_cos_sin
+from dflash2.reference.model.draft import qwen3_rms_norm
 from dflash2.reference.model.norm import rms_norm
 from dflash2.reference.model.rope import apply_rope
 
@@ -181,3 +189,49 @@ def test_planted_bug_gate_from_the_query_half_is_caught(impl_device, report):
     out, expected = run_gate(impl, case, device, torch.float32, offset=case.dim)
     with pytest.raises(AssertionError, match="rms-relative"):
         report.numeric("gate/planted", out, expected, NUMERIC_BOUND[torch.float32])
+
+
+DRAFT_SHAPES = [(8, 2, 32), (3, 1, 20), (2, 2, 16)]  # H, Hkv, D (rotary dim = D)
+
+
+def run_draft_prologue(impl: str, heads: int, kv_heads: int, dim: int, device: str, dtype: torch.dtype,
+                       swap_weights: bool = False):
+    gen = torch.Generator().manual_seed(heads * 100 + dim)
+    rows = 9
+    positions = torch.randint(0, 5000, (rows,), generator=gen)
+    q_cols, kv_cols = heads * dim, 2 * kv_heads * dim
+    q_buf = torch.full((rows, q_cols + 2 * PAD), float("nan"))
+    kv_buf = torch.full((rows, kv_cols + 2 * PAD), float("nan"))
+    q_buf[:, PAD:PAD + q_cols] = torch.randn(rows, q_cols, generator=gen) * 2
+    kv_buf[:, PAD:PAD + kv_cols] = torch.randn(rows, kv_cols, generator=gen) * 2
+    q_buf, kv_buf = q_buf.to(device, dtype), kv_buf.to(device, dtype)
+    q = q_buf[:, PAD:PAD + q_cols].view(rows, heads, dim)
+    k = kv_buf[:, PAD:PAD + kv_heads * dim].view(rows, kv_heads, dim)
+    q_weight, k_weight = (1.0 + 0.3 * torch.randn(dim, generator=gen) for _ in range(2))
+    cos, sin = rope_cos_sin(positions.to(device), dim, THETA)
+    fn = pick(impl, draft_qk_norm_rope_torch, draft_qk_norm_rope_triton)
+    got = fn(q, k, q_weight.to(device), (q_weight if swap_weights else k_weight).to(device), cos, sin, EPS)
+    rope = lambda t, w: apply_rope(qwen3_rms_norm(t.float().cpu(), w, EPS), positions, dim, THETA)  # noqa: E731
+    return got, (rope(q, q_weight), rope(k, k_weight)), (q, k, q_weight.to(device), k_weight.to(device), cos, sin)
+
+
+@pytest.mark.parametrize("shape", DRAFT_SHAPES, ids=lambda s: f"H{s[0]}-Hkv{s[1]}-D{s[2]}")
+def test_draft_qk_norm_rope_matches_reference(impl_device, report, shape):
+    impl, device = impl_device
+    for dtype in DTYPES:
+        (q, k), (q_ref, k_ref), inputs = run_draft_prologue(impl, *shape, device, dtype)
+        name = str(dtype)[6:]
+        assert q.dtype == k.dtype == dtype and q.shape == q_ref.shape and k.shape == k_ref.shape
+        report.numeric(f"draft-q/{name}", q, q_ref, NUMERIC_BOUND[dtype])
+        report.numeric(f"draft-k/{name}", k, k_ref, NUMERIC_BOUND[dtype])
+        if impl == "triton":
+            q_twin, k_twin = draft_qk_norm_rope_torch(*inputs, EPS)
+            report.numeric(f"twin-q/{name}", q, q_twin, NUMERIC_BOUND[dtype])
+            report.numeric(f"twin-k/{name}", k, k_twin, NUMERIC_BOUND[dtype])
+
+
+def test_planted_bug_draft_k_with_the_q_weight_is_caught(impl_device, report):
+    impl, device = impl_device
+    (_, k), (_, k_ref), _ = run_draft_prologue(impl, 8, 2, 32, device, torch.float32, swap_weights=True)
+    with pytest.raises(AssertionError, match="rms-relative"):
+        report.numeric("draft-k/float32", k, k_ref, NUMERIC_BOUND[torch.float32])

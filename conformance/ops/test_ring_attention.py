@@ -1,6 +1,13 @@
 """fast/kernels/ring_attention.py vs reference/draft.window_attention: B blocks over their ring windows
 (NUMERIC), at small windows (W = 13 and 37, capacity W + 4), odd shapes, GQA, with every ring slot
-outside the window poisoned with NaN."""
+outside the window poisoned with NaN.
+
+The split-window path (several programs per (block, KV head), then the merge) against the unsplit
+torch twin at fp32 (NUMERIC, 1e-5) and the reference at the low-precision bound, on windows partly
+before position 0, exactly W - 1 rows, fully inside and wrapped around the ring, for 1 .. 7 splits of
+one or several chunks; it repeats bit for bit. The interpreter's ``tl.dot`` is wrong on bf16
+(Triton 3.6), so the low-precision dtype on the CPU is fp16, bf16 on CUDA, as in test_paged_attention.
+The H200 plan for the 27B draft's shape is pinned too (a grid from shapes only)."""
 
 from __future__ import annotations
 
@@ -10,7 +17,8 @@ import pytest
 import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.ring_attention import ring_attention_torch, ring_attention_triton
+import dflash2.fast.kernels.paged_attention as paged_attention
+from dflash2.fast.kernels.ring_attention import launch_plan, ring_attention_torch, ring_attention_triton
 from dflash2.reference.model.draft import window_attention
 
 MARGIN = 4
@@ -94,3 +102,39 @@ def test_planted_bug_wrong_scale_is_caught(impl_device, report):
     with pytest.raises(AssertionError, match="rms-relative"):
         check_ring_attention(pick(impl, ring_attention_torch, ring_attention_triton), case, device, torch.float32,
                              report, scale=13 ** -0.5)
+
+
+SPLIT_ANCHORS = [0, 5, 50, 99, 100, 150, 1000]  # W = 100, capacity 104: partly before 0, W-1 rows, inside, wrapped
+
+
+@pytest.mark.parametrize("split_len,block_n", [(16, 16), (32, 16), (64, 32), (128, 64)],
+                         ids=lambda v: str(v))
+def test_split_window_matches_the_unsplit_twin(impl_device, report, split_len, block_n):
+    impl, device = impl_device
+    if impl != "triton":
+        pytest.skip("the split is the Triton launcher's")
+    case = make_case(8, 8, 2, 32, SPLIT_ANCHORS, seed=split_len, window=100)  # G = 4: a 32-row tile, as the 27B's
+    plan = launch_plan(len(SPLIT_ANCHORS), 8, 2, 8, 32, 100, torch.device(device), split_len=split_len, block_n=block_n)
+    assert plan.num_splits == -(-99 // split_len)
+    inputs = lambda dtype: [t.to(device=device, dtype=dtype) for t in  # noqa: E731
+                            (case.q, case.block_k, case.block_v, case.ring_k, case.ring_v)]
+    index = [case.ring_slots.to(device), case.anchors.to(device), case.window]
+    unsplit = ring_attention_torch(*inputs(torch.float32), *index)
+    got = ring_attention_triton(*inputs(torch.float32), *index, block_n=block_n, split_len=split_len)
+    report.numeric("split/float32", got, unsplit, NUMERIC_BOUND[torch.float32])
+    again = ring_attention_triton(*inputs(torch.float32), *index, block_n=block_n, split_len=split_len)
+    assert torch.equal(got, again), "the split kernel and its merge are not deterministic"
+    low = torch.bfloat16 if device == "cuda" else torch.float16
+    got = ring_attention_triton(*inputs(low), *index, block_n=block_n, split_len=split_len)
+    assert got.dtype == low
+    report.numeric(f"split/{str(low)[6:]}", got.float(), case.expected, NUMERIC_BOUND[low])
+
+
+def test_the_h200_plan_splits_the_27b_window(monkeypatch):
+    """132 SMs, W = 2048, Hkv = 8, S * G = 32: 32 splits of 64 keys at B = 1 (256 programs), 2 of 1024 at B = 16."""
+    monkeypatch.setattr(paged_attention, "_sm_count", lambda device: 132)
+    device = torch.device("cpu")
+    plans = {b: launch_plan(b, 32, 8, 8, 128, 2048, device) for b in (1, 2, 4, 8, 16)}
+    assert [(p.split_len, p.num_splits) for p in plans.values()] == [(64, 32), (128, 16), (256, 8), (512, 4),
+                                                                     (1024, 2)]
+    assert all(p.m_pad == 32 and p.d_pad == 128 and p.block_n == 64 for p in plans.values())

@@ -20,6 +20,13 @@ Epilogue: ``out[n, h*D + d] = attn[n, h, d] * sigmoid(gate[n, h, d])``, the sigm
 the model dtype before the product, as the torch form computes it; ``gate`` is read in place from
 the projection (row stride ``H*2D + 2*Hkv*D``, head stride 2D).
 
+The draft's prologue (:func:`draft_qk_norm_rope_triton`, twin of ``fast/model/rope.draft_qk_norm_rope_torch``
+and so of reference/model/draft.py's ``qwen3_rms_norm`` + ``apply_rope``) is the same norm and rotation on separate
+q ``[N, H, D]`` and k ``[N, Hkv, D]`` (views into the draft's q and k/v projections), with the
+weights as stored for scales (Qwen3's ``w * x / rms(x)``), returning both in the model dtype: no gate
+columns, no cache write (the block's keys never enter the ring). One program per (row, head) over
+the H + Hkv heads.
+
 Bound: launch latency at decode sizes (a few KiB per row). Deterministic, no host sync.
 """
 
@@ -102,6 +109,74 @@ def qk_norm_rope_triton(qkv: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tens
         float(eps), H=num_heads, HKV=num_kv_heads, D=head_dim, HALF=half, BLOCK_D=block_d,
         num_warps=max(1, min(4, block_d // 64)))
     return q
+
+
+@triton.jit
+def _norm_rope_head(src, scale_ptr, cos_row, sin_row, dst, eps, D: tl.constexpr, HALF: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """One head: ``rope(x / rms(x) * scale)`` in fp32 from ``src``, stored at ``dst`` in dst's dtype."""
+    d = tl.arange(0, BLOCK_D)
+    in_d = d < D
+    rot = d < 2 * HALF
+    first = d < HALF
+    partner = tl.where(first, d + HALF, d - HALF)
+    angle = tl.where(first, d, d - HALF)
+    x = tl.load(src + d, mask=in_d, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    y = (x * rstd) * tl.load(scale_ptr + d, mask=in_d, other=0.0)
+    xp = tl.load(src + partner, mask=in_d & rot, other=0.0).to(tl.float32)
+    yp = (xp * rstd) * tl.load(scale_ptr + partner, mask=in_d & rot, other=0.0)
+    cos = tl.load(cos_row + angle, mask=rot, other=1.0)
+    sin = tl.load(sin_row + angle, mask=rot, other=0.0)
+    out = tl.where(first, y * cos - yp * sin, tl.where(rot, y * cos + yp * sin, y))
+    tl.store(dst + d, out.to(dst.dtype.element_ty), mask=in_d)
+
+
+@triton.jit
+def _draft_qk_norm_rope_kernel(q_ptr, k_ptr, q_scale_ptr, k_scale_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
+                               stride_qn, stride_qh, stride_kn, stride_kh, stride_cos, stride_sin, eps,
+                               H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                               BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    cos_row, sin_row = cos_ptr + n * stride_cos, sin_ptr + n * stride_sin
+    if head < H:
+        _norm_rope_head(q_ptr + n * stride_qn + head * stride_qh, q_scale_ptr, cos_row, sin_row,
+                        q_out_ptr + (n * H + head) * D, eps, D, HALF, BLOCK_D)
+    else:
+        _norm_rope_head(k_ptr + n * stride_kn + (head - H) * stride_kh, k_scale_ptr, cos_row, sin_row,
+                        k_out_ptr + (n * HKV + head - H) * D, eps, D, HALF, BLOCK_D)
+
+
+def draft_qk_norm_rope_triton(q: Tensor, k: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin: Tensor,
+                              eps: float) -> tuple[Tensor, Tensor]:
+    """``rope.draft_qk_norm_rope_torch`` by one kernel: q ``[N, H, D]``, k ``[N, Hkv, D]`` (any row and head
+    strides, unit last stride: views into the projections); q_scale, k_scale fp32 ``[D]``; cos, sin fp32
+    ``[N, rd/2]``. Returns (q, k) contiguous in the inputs' dtype."""
+    rows, heads, head_dim = q.shape
+    if q.dim() != 3 or k.dim() != 3 or k.shape[0] != rows or k.shape[2] != head_dim or k.dtype != q.dtype:
+        raise ValueError(f"q {list(q.shape)} {q.dtype}, k {list(k.shape)} {k.dtype}: expected [N, H, D] and "
+                         "[N, Hkv, D] of one dtype")
+    if q.stride(2) != 1 or k.stride(2) != 1:
+        raise ValueError(f"q strides {q.stride()}, k strides {k.stride()}: expected a unit last stride")
+    for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
+        if scale.shape != (head_dim,) or scale.dtype != torch.float32 or not scale.is_contiguous():
+            raise ValueError(f"{name}: {list(scale.shape)} {scale.dtype}: expected contiguous fp32 [{head_dim}]")
+    half = cos.shape[-1]
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (rows, half) or t.dtype != torch.float32 or t.stride(-1) != 1 or 2 * half > head_dim:
+            raise ValueError(f"{name}: {list(t.shape)} {t.dtype}: expected fp32 [{rows}, rd/2] with rd <= {head_dim}")
+    kv_heads = k.shape[1]
+    q_out = torch.empty((rows, heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((rows, kv_heads, head_dim), dtype=k.dtype, device=k.device)
+    if rows == 0:
+        return q_out, k_out
+    block_d = triton.next_power_of_2(head_dim)
+    _draft_qk_norm_rope_kernel[(rows, heads + kv_heads)](
+        q, k, q_scale, k_scale, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos.stride(0), sin.stride(0), float(eps), H=heads, HKV=kv_heads, D=head_dim, HALF=half, BLOCK_D=block_d,
+        num_warps=max(1, min(4, block_d // 64)))
+    return q_out, k_out
 
 
 def output_gate_torch(attn: Tensor, gate: Tensor) -> Tensor:

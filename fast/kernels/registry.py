@@ -41,10 +41,22 @@ KERNELS: tuple[KernelTwin, ...] = (
                ("dflash2.fast.kernels.ring_attention:ring_attention_torch",
                 "dflash2.fast.kernels.ring_attention:ring_attention_triton"),
                "dflash2.reference.model.draft:window_attention", "conformance/ops/test_ring_attention.py"),
+    KernelTwin("dynamic_conv",  # one side of the draft's grouped dynamic conv, the residual add fused in
+               ("dflash2.fast.kernels.dynamic_conv:grouped_dynamic_conv_torch",
+                "dflash2.fast.kernels.dynamic_conv:grouped_dynamic_conv_triton"),
+               "dflash2.reference.model.conv:grouped_dynamic_conv", "conformance/ops/test_dynamic_conv.py"),
+    KernelTwin("draft_qk_norm_rope",  # the draft's per-head Qwen3 norms + full RoPE; the test composes the reference's
+               ("dflash2.fast.model.rope:draft_qk_norm_rope_torch",
+                "dflash2.fast.kernels.attention_prologue:draft_qk_norm_rope_triton"),
+               "dflash2.reference.model.draft:qwen3_rms_norm", "conformance/ops/test_attention_prologue.py"),
     KernelTwin("gdn_recurrent",
                ("dflash2.fast.kernels.gdn_recurrent:gated_delta_rule_verify_torch",
                 "dflash2.fast.kernels.gdn_recurrent:gated_delta_rule_verify_triton"),
                "dflash2.reference.model.delta_rule:gated_delta_rule_recurrent", "conformance/ops/test_gdn_recurrent.py"),
+    KernelTwin("gdn_commit",  # copies the kept verify row's GDN state; the reference rolls back by replay instead
+               ("dflash2.fast.kernels.gdn_commit:commit_verify_torch",
+                "dflash2.fast.kernels.gdn_commit:commit_verify_triton"),
+               "dflash2.reference.speculative.loop:verify_step", "conformance/ops/test_gdn_commit.py"),
     KernelTwin("paged_attention",  # the torch twin is the model's own torch form (a gather of the whole context)
                ("dflash2.fast.model.attention:paged_attention_torch",
                 "dflash2.fast.kernels.paged_attention:paged_attention_triton"),

@@ -26,8 +26,15 @@ one fixed GEMM shape: every K_TILE_ROWS-row tile is its own matmul of the same s
 over all N rows does not: BLAS picks kernels (gemv, split-K) by N, seen on the CPU (MKL) and on
 an H200 (cuBLAS, where a strided-batched bmm over the tiles also varied with the tile count).
 
-The window attention is ``fast/kernels/ring_attention.ring_attention`` (Triton on CUDA, its torch
-twin elsewhere), reading each layer's ring ``RingPool.k[layer]``, ``RingPool.v[layer]`` in place.
+Block-side kernels (each a Triton kernel on CUDA and its torch twin elsewhere, dispatched by
+``use_triton``): the 2-D RMSNorms are ``norm.add_rms_norm`` (one fused kernel, the stored weight as
+its scale); a conv side is ``fast/kernels/dynamic_conv.grouped_dynamic_conv``, the finish with the
+residual add ``x + finish(...)`` fused in; q/k norms and RoPE are one ``rope.draft_qk_norm_rope``
+with cos/sin computed once per ``forward_blocks`` (every layer, q and k, share the positions); the
+window attention is ``fast/kernels/ring_attention.ring_attention`` (split-window on CUDA), reading
+each layer's ring ``RingPool.k[layer]``, ``RingPool.v[layer]`` in place. Gate and up are one GEMM
+over ``gate_up[layer]`` ``[2I, C]``, and the block rows' k and v one GEMM over the layer's rows of
+``context_kv_weight`` ``[2*Hkv*D, C]``; the per-name entries of ``self.w`` are views into both.
 """
 
 from __future__ import annotations
@@ -42,9 +49,10 @@ from torch import Tensor
 
 from dflash2.reference.formats.draft_config import DraftConfig
 
+from ..kernels.dynamic_conv import grouped_dynamic_conv
 from ..kernels.ring_attention import ring_attention
-from .norm import rms_norm
-from .rope import apply_rope, rope_cos_sin
+from .norm import add_rms_norm, rms_norm
+from .rope import apply_rope, draft_qk_norm_rope, rope_cos_sin
 
 if TYPE_CHECKING:
     from dflash2.fast.speculative.ring_pool import RingPool
@@ -80,20 +88,6 @@ def batch_invariant_linear(x: Tensor, weight: Tensor, tile_rows: int | None = No
     return torch.cat([padded[i * tile_rows:(i + 1) * tile_rows] @ weight.T for i in range(tiles)])[:n]
 
 
-def grouped_dynamic_conv(x: Tensor, base: Tensor, delta: Tensor, group_size: int) -> Tensor:
-    """One conv side over each block: ``y_i = sum_tau (base[tau] + expand_G(delta_i[tau])) * x_{i-tau}``.
-
-    x: ``[B, S, C]``; base: ``[K, C]``; delta: ``[B, S, K, C/G]``. Taps never cross a block start.
-    """
-    rows = x.shape[1]
-    out = torch.zeros_like(x)
-    for tau in range(min(base.shape[0], rows)):
-        shifted = F.pad(x[:, :rows - tau], (0, 0, tau, 0))  # x_{i - tau}, zero where i < tau
-        kernel = base[tau] + delta[:, :, tau].repeat_interleave(group_size, dim=-1)  # [B, S, C]
-        out = out + kernel * shifted
-    return out
-
-
 class FastDraft:
     """A DFlash 2 draft bound to its target's embedding table and LM head, on one device and dtype."""
 
@@ -110,13 +104,21 @@ class FastDraft:
         self.embed = target_embed.to(device=self.device, dtype=dtype)  # [V, C]
         self.lm_head = target_lm_head.to(device=self.device, dtype=dtype)  # [V, C]
         # the context K/V projection of every layer as one [L*2*Hkv*D, C] matrix (layer-major, k then v);
-        # the k_proj / v_proj the block rows use become views into it
+        # the k_proj / v_proj entries become views into it, and a layer's rows are its block-side k|v GEMM
         layers = range(cfg.num_hidden_layers)
         names = [f"layers.{layer}.self_attn.{kv}_proj.weight" for layer in layers for kv in "kv"]
         self.context_kv_weight = torch.cat([self.w[name] for name in names])
         for name, view in zip(names, self.context_kv_weight.split(cfg.num_key_value_heads * cfg.head_dim)):
             self.w[name] = view
+        self.block_kv_weights = self.context_kv_weight.split(2 * cfg.num_key_value_heads * cfg.head_dim)
         self.k_norms = torch.stack([self.norms[f"layers.{layer}.self_attn.k_norm.weight"] for layer in layers])
+        # gate and up of every layer as one [2I, C] matrix (gate rows first); the per-name entries become views
+        self.gate_up = []
+        for layer in layers:
+            pair = [f"layers.{layer}.mlp.{name}_proj.weight" for name in ("gate", "up")]
+            fused = torch.cat([self.w[name] for name in pair])
+            self.w[pair[0]], self.w[pair[1]] = fused.split(cfg.intermediate_size)
+            self.gate_up.append(fused)
 
     def _norm(self, x: Tensor, name: str) -> Tensor:
         return rms_norm(x, self.norms[name], self.cfg.rms_norm_eps, self.dtype)
@@ -150,6 +152,11 @@ class FastDraft:
 
     # -- the blocks ------------------------------------------------------------------------------
 
+    def _block_norm(self, x: Tensor, name: str) -> Tensor:
+        """RMSNorm ``name`` of the block rows ``x [B, S, C]``: one kernel on CUDA (the context side keeps ``_norm``)."""
+        rows = x.reshape(-1, x.shape[-1])
+        return add_rms_norm(rows, None, self.norms[name], self.cfg.rms_norm_eps, self.dtype)[1].view(x.shape)
+
     def _conv_prepare(self, u: Tensor, name: str) -> tuple[Tensor, Tensor]:
         """Side 0 of conv ``name``: ``(u' [B, S, C], delta [B, S, 2, K, C/G])``."""
         base, proj = self.w[f"{name}.base_kernel"], self.w[f"{name}.kernel_projection.weight"]
@@ -157,36 +164,40 @@ class FastDraft:
         delta = (u @ proj.T).reshape(b, s, 2, self.cfg.conv_kernel_size, -1)
         return grouped_dynamic_conv(u, base[0], delta[:, :, 0], self.cfg.conv_group_size), delta
 
-    def _conv_finish(self, o: Tensor, name: str, delta: Tensor) -> Tensor:
-        """Side 1 of conv ``name`` on the sublayer output, with prepare's delta."""
-        return grouped_dynamic_conv(o, self.w[f"{name}.base_kernel"][1], delta[:, :, 1], self.cfg.conv_group_size)
+    def _conv_finish(self, o: Tensor, name: str, delta: Tensor, residual: Tensor) -> Tensor:
+        """``residual +`` side 1 of conv ``name`` on the sublayer output ``o``, with prepare's delta (one kernel)."""
+        return grouped_dynamic_conv(o, self.w[f"{name}.base_kernel"][1], delta[:, :, 1], self.cfg.conv_group_size,
+                                    residual)
 
-    def _attention(self, layer: int, u: Tensor, positions: Tensor, ring_pool: RingPool, ring_slots: Tensor,
+    def _attention(self, layer: int, u: Tensor, cos: Tensor, sin: Tensor, ring_pool: RingPool, ring_slots: Tensor,
                    anchor_positions: Tensor) -> Tensor:
-        """``W_O a`` of the attention sublayer for conv-prepared ``u [B, S, C]``; returns ``[B, S, C]``."""
+        """``W_O a`` of the attention sublayer for conv-prepared ``u [B, S, C]``; returns ``[B, S, C]``.
+
+        cos, sin: fp32 ``[B*S, D/2]`` at the rows' positions.
+        """
         cfg, w = self.cfg, self.w
         p = f"layers.{layer}.self_attn."
         b, s, _ = u.shape
         h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        flat = positions.reshape(b * s)
-        q = self._rope(self._norm((u @ w[f"{p}q_proj.weight"].T).reshape(b * s, h, d), f"{p}q_norm.weight"), flat)
-        k = self._rope(self._norm((u @ w[f"{p}k_proj.weight"].T).reshape(b * s, hkv, d), f"{p}k_norm.weight"), flat)
-        v = (u @ w[f"{p}v_proj.weight"].T).reshape(b * s, hkv, d)
-        a = ring_attention(q, k, v, ring_pool.k[layer], ring_pool.v[layer], ring_slots, anchor_positions,
+        q = (u @ w[f"{p}q_proj.weight"].T).reshape(b * s, h, d)
+        kv = (u @ self.block_kv_weights[layer].T).reshape(b * s, 2 * hkv, d)  # [k heads | v heads] per row
+        q, k = draft_qk_norm_rope(q, kv[:, :hkv], self.norms[f"{p}q_norm.weight"], self.norms[f"{p}k_norm.weight"],
+                                  cos, sin, cfg.rms_norm_eps)
+        a = ring_attention(q, k, kv[:, hkv:], ring_pool.k[layer], ring_pool.v[layer], ring_slots, anchor_positions,
                            cfg.sliding_window)  # [B*S, H, D]
         return a.reshape(b, s, h * d) @ w[f"{p}o_proj.weight"].T
 
-    def _layer(self, layer: int, x: Tensor, positions: Tensor, ring_pool: RingPool, ring_slots: Tensor,
+    def _layer(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, ring_pool: RingPool, ring_slots: Tensor,
                anchor_positions: Tensor) -> Tensor:
         """One draft layer on the blocks' residual stream ``x [B, S, C]``."""
         w, p = self.w, f"layers.{layer}."
-        u, delta = self._conv_prepare(self._norm(x, f"{p}input_layernorm.weight"), f"{p}attention_conv")
-        o = self._attention(layer, u, positions, ring_pool, ring_slots, anchor_positions)
-        x = x + self._conv_finish(o, f"{p}attention_conv", delta)
-        u, delta = self._conv_prepare(self._norm(x, f"{p}post_attention_layernorm.weight"), f"{p}mlp_conv")
-        m = (F.silu(u @ w[f"{p}mlp.gate_proj.weight"].T) * (u @ w[f"{p}mlp.up_proj.weight"].T)) \
-            @ w[f"{p}mlp.down_proj.weight"].T
-        return x + self._conv_finish(m, f"{p}mlp_conv", delta)
+        u, delta = self._conv_prepare(self._block_norm(x, f"{p}input_layernorm.weight"), f"{p}attention_conv")
+        o = self._attention(layer, u, cos, sin, ring_pool, ring_slots, anchor_positions)
+        x = self._conv_finish(o, f"{p}attention_conv", delta, x)
+        u, delta = self._conv_prepare(self._block_norm(x, f"{p}post_attention_layernorm.weight"), f"{p}mlp_conv")
+        gate, up = (u @ self.gate_up[layer].T).chunk(2, dim=-1)
+        m = (F.silu(gate) * up) @ w[f"{p}mlp.down_proj.weight"].T
+        return self._conv_finish(m, f"{p}mlp_conv", delta, x)
 
     def forward_blocks(self, anchor_tokens: Tensor, anchor_positions: Tensor, ring_pool: RingPool,
                        ring_slots: Tensor, layer_outputs: list[Tensor] | None = None) -> DraftBlocks:
@@ -207,11 +218,12 @@ class FastDraft:
         positions = anchor_positions[:, None] + offsets  # [B, S]
         tokens = torch.where(offsets == 0, anchor_tokens[:, None], cfg.mask_token_id)  # [B, S]
         x = self.embed[tokens]  # [B, S, C] (input_embedding_scale = 1)
+        cos, sin = rope_cos_sin(positions.reshape(-1), cfg.head_dim, cfg.rope_theta)  # once: every layer, q and k
         for layer in range(cfg.num_hidden_layers):
-            x = self._layer(layer, x, positions, ring_pool, ring_slots, anchor_positions)
+            x = self._layer(layer, x, cos, sin, ring_pool, ring_slots, anchor_positions)
             if layer_outputs is not None:
                 layer_outputs.append(x)
-        hidden = self._norm(x, "norm.weight")  # [B, S, C]
+        hidden = self._block_norm(x, "norm.weight")  # [B, S, C]
         rows = hidden[:, 1:].reshape(-1, cfg.hidden_size)  # one 2-D GEMM (the 3-D slice ran as a slow bmm)
         logits = (rows @ self.lm_head.T).float().reshape(hidden.shape[0], cfg.block_size - 1, -1)
         return DraftBlocks(hidden=hidden, logits=logits)

@@ -11,6 +11,8 @@ the rotation runs in fp32.
 :func:`qk_norm_rope` is the whole attention prologue after the fused projection: the per-head
 RMSNorms of q and k, RoPE, the cast to the model dtype and the K/V cache write; CUDA rows go to one
 kernel (fast/kernels/attention_prologue.py), everything else to :func:`qk_norm_rope_torch`.
+:func:`draft_qk_norm_rope` is the DFlash draft's: the same norms and rotation of its q and k (full
+rotation, weights as stored), returned in the draft dtype.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels.attention_prologue import qk_norm_rope_triton
+from ..kernels.attention_prologue import draft_qk_norm_rope_triton, qk_norm_rope_triton
 from ..kernels.triton_compat import use_triton
 from .norm import rms_norm
 
@@ -66,3 +68,21 @@ def qk_norm_rope(qkv: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin
     """``qk_norm_rope_torch``'s contract, by one kernel on CUDA."""
     fn = qk_norm_rope_triton if use_triton(qkv, key_cache, value_cache) else qk_norm_rope_torch
     return fn(qkv, q_scale, k_scale, cos, sin, eps, num_heads, num_kv_heads, key_cache, value_cache, write_index)
+
+
+def draft_qk_norm_rope_torch(q: Tensor, k: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin: Tensor,
+                             eps: float) -> tuple[Tensor, Tensor]:
+    """``rope(x / rms(x) * scale)`` per head of q ``[N, H, D]`` and k ``[N, Hkv, D]``, in fp32.
+
+    q_scale, k_scale: fp32 ``[D]`` (the draft's Qwen3 norms: the weights as stored); cos, sin: fp32
+    ``[N, rd/2]``. Returns (q, k) in the inputs' dtype.
+    """
+    q_out = apply_rope(rms_norm(q, q_scale, eps, torch.float32), cos, sin).to(q.dtype)
+    return q_out, apply_rope(rms_norm(k, k_scale, eps, torch.float32), cos, sin).to(k.dtype)
+
+
+def draft_qk_norm_rope(q: Tensor, k: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin: Tensor,
+                       eps: float) -> tuple[Tensor, Tensor]:
+    """``draft_qk_norm_rope_torch``'s contract, by one kernel on CUDA."""
+    fn = draft_qk_norm_rope_triton if use_triton(q, k) else draft_qk_norm_rope_torch
+    return fn(q, k, q_scale, k_scale, cos, sin, eps)
