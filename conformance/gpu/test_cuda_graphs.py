@@ -71,6 +71,7 @@ def test_replay_equals_eager_on_the_same_padded_batch(stack, dtype):
         for t, saved in zip(_pools_state(pools), before):  # rewind the pools, then run the padded batch eagerly
             t.copy_(saved)
         step = graphs.graphs[key]
+        assert len(step.graphs) > 1, "the capture was not cut between layer groups (fast/model/capture.py)"
         eager = target.forward(batch_view(step.inputs.views, key, step.tokens), pools)
         m, n = logits_rows.numel(), 3 * rows
         for what, a, b in (("logits", replayed[0], eager.logits[:m]), ("hidden", replayed[1], eager.hidden[:n]),
@@ -117,6 +118,7 @@ def test_graph_engine_gives_the_eager_engines_tokens(stack, algorithm):
     runner = graphed.engine.runner
     replayed = runner.graphs.graphs if algorithm == "none" else runner.step_graphs.graphs
     assert replayed, f"{name} {algorithm}: no step was replayed from a CUDA graph"
+    assert all(len(step.graphs) > 1 for step in replayed.values()), "a capture was not cut into several graphs"
     eager = LLM(target_dir, enforce_eager=True, **kwargs).generate(prompts, params)
     runner = None  # the reference, to judge a divergence
     for prompt, a, b in zip(prompts, fast, eager):

@@ -7,8 +7,11 @@ step shape is captured once as a CUDA graph and replayed:
 - ``TargetGraphs``: the target forward alone (plain decode: one row per request; also a verify's
   forward when the whole step cannot be captured);
 - ``StepGraphs``: a whole speculative step, propose -> target verify forward -> verify ->
-  ``commit_verify`` -> observe, as one graph (``ModelRunner.verify_step_fn`` builds it), greedy and
+  ``commit_verify`` -> observe, as one capture (``ModelRunner.verify_step_fn`` builds it), greedy and
   sampled alike (the key carries the batch's sampling summary, which fixes the filter's launches).
+
+A capture is a few CUDA graphs replayed back to back, cut between stages and layer groups
+(fast/model/capture.py), so the host's launch of one overlaps the GPU's run of the one before.
 
 Keys: ``(B bucket, rows per sequence R, page-table width bucket P, is_verify)``; the B bucket is the
 smallest of 1, 2, 4, 8, ... (capped at max_running_req) that holds the batch, the P bucket the next
@@ -42,6 +45,7 @@ import torch
 from torch import Tensor
 
 from ..model.batch import PAD_SLOT, ForwardBatch
+from ..model.capture import cutting
 from ..model.moe import moe_experts_torch
 from ..model.target import FastOutput, FastTarget
 
@@ -173,13 +177,17 @@ def real_rows(batch: ForwardBatch, num_seqs: int, num_rows: int, num_logits: int
 class CapturedStep:
     """``fn(views)`` captured once over ``inputs`` (all padding when captured); ``replay`` reruns it.
 
+    The capture is cut into several graphs where ``fn`` calls ``fast/model/capture.graph_cut`` (the
+    target between layer groups, a speculative step between its stages): replayed back to back,
+    each graph's host launch overlaps the GPU's run of the one before (that module's docstring).
     On a CPU device nothing is captured and ``replay`` calls ``fn`` on the static fields: the same
     buffers and padding, so the CPU lane tests everything here but the capture itself.
     """
 
     def __init__(self, inputs: StaticInputs, fn: Callable[[dict[str, Tensor]], object], device: torch.device,
                  mempool) -> None:
-        self.inputs, self.fn, self.graph = inputs, fn, None
+        self.inputs, self.fn = inputs, fn
+        self.graphs: list[torch.cuda.CUDAGraph] = []
         if device.type != "cuda":
             return
         side = torch.cuda.Stream(device)
@@ -188,14 +196,29 @@ class CapturedStep:
             for _ in range(2):  # compiles Triton kernels, creates cuBLAS handles and workspaces
                 fn(inputs.views)
         torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=mempool):
-            self.out = fn(inputs.views)
+        torch.cuda.synchronize(device)
+
+        def begin() -> None:
+            self.graphs.append(torch.cuda.CUDAGraph())
+            self.graphs[-1].capture_begin(pool=mempool)
+
+        def cut() -> None:
+            self.graphs[-1].capture_end()
+            begin()
+
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            begin()
+            try:
+                with cutting(cut):
+                    self.out = fn(inputs.views)
+            finally:
+                self.graphs[-1].capture_end()
 
     def replay(self):
-        if self.graph is None:
+        if not self.graphs:
             return self.fn(self.inputs.views)
-        self.graph.replay()
+        for graph in self.graphs:
+            graph.replay()
         return self.out
 
 

@@ -41,6 +41,7 @@ from dflash2.reference.request.trace import StepRecord
 from ..kernels.philox import seeds_tensor
 from ..kernels.sampler import HostSummary, SamplingTensors
 from ..model.batch import ForwardBatch
+from ..model.capture import graph_cut
 from ..model.pools import commit_verify
 from ..speculative.proposal import DraftProposal
 from .logprobs import TokenLogprob, select_rows, token_logprobs
@@ -295,9 +296,11 @@ class ModelRunner:
         anchors, anchor_tokens = views["anchors"], views["anchor_tokens"]
         tables = views["block_tables"].view(b, key.pages).to(torch.int32)
         proposal = self.proposer.propose(anchor_tokens, anchors, views["state_slots"], tables, k, st)
+        graph_cut()  # the capture goes on in a new graph at each stage (fast/model/capture.py)
         token_ids = torch.cat([anchor_tokens[:, None], proposal.tokens], dim=1).reshape(-1)
         batch = batch_view(views, key, token_ids)
         out = self.target.forward(batch, self.pools)
+        graph_cut()
         logits = out.logits.view(b, rows, -1)
         result = verify_ragged(logits, proposal.tokens, proposal.cand_ids, proposal.draft_probs, [k] * b, st, anchors)
         keep = views["keep"]

@@ -128,7 +128,7 @@ def main() -> int:
     if not steps:
         sys.exit(f"no one-request graph captured; keys: {list(graphs.graphs)}")
     key, step = max(steps, key=lambda item: item[0].rows_per_seq)  # k + 1 rows: the steady state
-    results.append(report(f"{args.setting} step {key}", step.graph.replay, args.list))
+    results.append(report(f"{args.setting} step {key} ({len(step.graphs)} graphs)", step.replay, args.list))
     if algorithm == "dflash":
         device = runner.device
         tokens = torch.ones(1, dtype=torch.long, device=device)
