@@ -24,25 +24,28 @@ def rms_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())  # a GDN layer's MoE in the tiny MoE layout
 
 
-def sublayers(shared_width: int):
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernels under the interpreter
+
+
+def sublayers(shared_width: int, device: str = "cpu"):
     spec = TinyTargetSpec(kind="moe", num_layers=2, full_attention_interval=2, num_experts=9,
                           num_experts_per_tok=3, moe_intermediate_size=20, shared_expert_intermediate_size=shared_width,
                           seed=5)
     cfg = tiny_target_config(spec)
     weights = tiny_target_weights(cfg, seed=5)
-    fast = FastMoE(cfg, Params(cfg, weights, torch.float32, "cpu"), PREFIX, moe_experts)
+    fast = FastMoE(cfg, Params(cfg, weights, torch.float32, device), PREFIX, moe_experts)
     return fast, SparseMoE(cfg, weights, PREFIX), weights, cfg
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the four-kernel form needs triton")
 @pytest.mark.parametrize("rows", [1, 5, 17])
 def test_four_kernels_match_the_torch_form_and_the_reference(rows):
-    fast, ref, _, cfg = sublayers(shared_width=20)
+    fast, ref, _, cfg = sublayers(shared_width=20, device=DEVICE)
     assert fast.shared_as_expert
     x = torch.randn(rows, cfg.hidden_size, generator=torch.Generator().manual_seed(rows))
     want = ref.forward(x)
-    got = fast.forward_four_kernels(x)
-    torch_form = fast.forward(x)  # CPU tensors: the torch form
+    got = fast.forward_four_kernels(x.to(DEVICE)).cpu()
+    torch_form = sublayers(shared_width=20)[0].forward(x)  # CPU tensors: the torch form
     assert got.dtype == x.dtype and got.shape == x.shape
     for what, other in (("the reference", want), ("the torch form", torch_form)):
         rel = rms_rel(got, other)

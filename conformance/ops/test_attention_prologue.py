@@ -208,7 +208,9 @@ def run_draft_prologue(impl: str, heads: int, kv_heads: int, dim: int, device: s
     q = q_buf[:, PAD:PAD + q_cols].view(rows, heads, dim)
     k = kv_buf[:, PAD:PAD + kv_heads * dim].view(rows, kv_heads, dim)
     q_weight, k_weight = (1.0 + 0.3 * torch.randn(dim, generator=gen) for _ in range(2))
-    cos, sin = rope_cos_sin(positions.to(device), dim, THETA)
+    # the op takes cos/sin as inputs: computed on the host, where the reference computes its angles (the
+    # GPU's pow rounds inv_freq an ulp apart, which at p ~ 5000 moves the fp32 result past its bound)
+    cos, sin = (t.to(device) for t in rope_cos_sin(positions, dim, THETA))
     fn = pick(impl, draft_qk_norm_rope_torch, draft_qk_norm_rope_triton)
     got = fn(q, k, q_weight.to(device), (q_weight if swap_weights else k_weight).to(device), cos, sin, EPS)
     rope = lambda t, w: apply_rope(qwen3_rms_norm(t.float().cpu(), w, EPS), positions, dim, THETA)  # noqa: E731

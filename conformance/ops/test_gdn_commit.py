@@ -185,10 +185,12 @@ def pools_and_batch(device: str, dtype: torch.dtype) -> tuple[CachePools, Forwar
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pools_commit_verify_dispatched_to_the_kernel(monkeypatch, dtype):
-    """``commit_verify`` on CUDA tensors (pretended: the interpreter runs the kernel on CPU ones) equals its
-    torch path on the same pools, every layer of the stack."""
-    torch_pools, batch, kept = pools_and_batch("cpu", dtype)
-    kernel_pools, _, _ = pools_and_batch("cpu", dtype)
+    """``commit_verify`` on CUDA tensors equals its torch path on the same pools, every layer of the stack
+    (without a GPU the CUDA dispatch is pretended and the interpreter runs the kernel on CPU tensors)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_pools, batch, kept = pools_and_batch(device, dtype)
+    kernel_pools, _, _ = pools_and_batch(device, dtype)
+    monkeypatch.setattr(pools_module, "use_triton", lambda *tensors: False)
     commit_verify(torch_pools, batch, kept)
     launched = []
     monkeypatch.setattr(pools_module, "use_triton", lambda *tensors: True)
