@@ -75,6 +75,13 @@ def route(x: Tensor, w_router: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     return route_torch(x, w_router, top_k)
 
 
+# Rows up to which the shared expert runs as the (k+1)-th pair: one chunk of the MoE kernel's 16 rows. Past it,
+# one program per I tile walks the shared expert's rows chunk by chunk and sets the kernel's time: at 16
+# requests x 8 verify rows (128 rows) the MoE shape's DFlash step went from 35.7 to 42.1 ms on the H200
+# (bench/results/2026-12-01-h200-perf2/), where cuBLAS runs the shared expert as one GEMM.
+SHARED_PAIR_ROWS = 16
+
+
 def stack_rows(first: Tensor, last: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``cat([first, last[None]])`` built in place on ``device`` in ``dtype``  # [E, ...], [...] -> [E + 1, ...].
 
@@ -93,9 +100,10 @@ class FastMoE:
     ``down [E + 1, C, I]``) and its gate vector as row E of the router (``[E + 1, C]``). A decode
     or verify step on CUDA then runs the whole sublayer as four kernels: the router appends the
     shared expert to each row's choices with weight sigmoid(w_sg . x), and the routed-expert kernels
-    run it as a (k+1)-th pair, summing in fp32 and rounding once to the model dtype. Everything
-    else (the CPU, a replaced ``moe_experts`` op, long prefills) runs the module docstring's form on
-    views of the first E experts, bit for bit as before.
+    run it as a (k+1)-th pair, summing in fp32 and rounding once to the model dtype. That is for
+    at most ``SHARED_PAIR_ROWS`` rows (decode and verify steps of a few requests); everything else
+    (more rows, the CPU, a replaced ``moe_experts`` op, prefills) runs the module docstring's form
+    on views of the first E experts, bit for bit as before.
     """
 
     def __init__(self, cfg: TargetConfig, params: Params, prefix: str, moe_experts):
@@ -129,10 +137,9 @@ class FastMoE:
             self.shared_expert_gate = params.get(f"{p}shared_expert_gate.weight")  # [1, C]
 
     def _fused(self, x: Tensor) -> bool:
-        """Whether this call runs the four-kernel form (class docstring)."""
-        pairs = x.shape[0] * (self.top_k + 1)
+        """Whether this call runs the four-kernel form (class docstring): at most ``SHARED_PAIR_ROWS`` rows."""
         return (self.shared_as_expert and self.moe_experts is moe_experts and use_triton(x)
-                and (pairs <= MAX_TRITON_PAIRS or torch.cuda.is_current_stream_capturing()))
+                and x.shape[0] <= SHARED_PAIR_ROWS)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: ``[N, C]`` after post_attention_layernorm. Returns ``[N, C]`` in x's dtype."""
