@@ -32,8 +32,8 @@ def cuda_time(fn, reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def graph_seconds(fn, reps: int = 20) -> float:
-    """CUDA-event median of CUDA-graph replays of ``fn`` (warmed up on a side stream, then captured)."""
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """``fn`` warmed up twice on a side stream (compiles, workspaces), then captured as one CUDA graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -43,7 +43,12 @@ def graph_seconds(fn, reps: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return cuda_time(graph.replay, reps=reps)
+    return graph
+
+
+def graph_seconds(fn, reps: int = 20) -> float:
+    """CUDA-event median of CUDA-graph replays of ``fn`` (:func:`capture_graph`)."""
+    return cuda_time(capture_graph(fn).replay, reps=reps)
 
 
 def rms_rel(a: torch.Tensor, b: torch.Tensor) -> float:

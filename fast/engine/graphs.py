@@ -2,7 +2,7 @@
 
 Launched eagerly, a decode or verify step of a 40-64-layer hybrid is hundreds to thousands of
 small kernels, and at a few requests their launch gaps cost more than the weights' bytes. Here each
-step shape is captured once as a CUDA graph and replayed:
+step shape is captured once (as a few CUDA graphs, below) and replayed:
 
 - ``TargetGraphs``: the target forward alone (plain decode: one row per request; also a verify's
   forward when the whole step cannot be captured);

@@ -264,7 +264,7 @@ class ModelRunner:
         return [VerifyResult(a, e[:a + 1], t) for a, e, t in zip(accepted, emitted, traces)]
 
 
-    # ---- the whole speculative step as one CUDA graph --------------------------------------------
+    # ---- the whole speculative step as one CUDA-graph capture ------------------------------------
 
     def _verify_graphed(self, reqs: Sequence[Req], k: int) -> list[VerifyResult] | None:
         """``verify`` for requests that all draft k, by replaying the captured step; None if no graph fits."""

@@ -22,7 +22,7 @@ import tempfile
 
 import torch
 
-from dflash2.bench.measure import cuda_time
+from dflash2.bench.measure import capture_graph, cuda_time
 from dflash2.bench.run import SETTINGS, SimulatedAcceptance
 from dflash2.fast.kernels.sampler import SamplingTensors
 from dflash2.fast.llm import LLM
@@ -136,16 +136,7 @@ def main() -> int:
         slots = torch.zeros(1, dtype=torch.long, device=device)
         tables = torch.zeros(1, 64, dtype=torch.int32, device=device)
         st = SamplingTensors.from_params([SamplingParams(temperature=0.0)], device=device)
-        fn = lambda: runner.proposer.propose(tokens, anchors, slots, tables, k, st)  # noqa: E731
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture_graph(lambda: runner.proposer.propose(tokens, anchors, slots, tables, k, st))
         results.append(report("draft propose (graph)", graph.replay, args.list))
     if args.host_profile:
         host_profile(llm, prompt, args.host_profile)
