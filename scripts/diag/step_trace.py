@@ -4,11 +4,12 @@
         --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --prompt-len 512 --out trace.json
 
 Builds the engine as ``ft bench`` does (dummy weights, simulated acceptance for speculative
-settings), generates once so the step graphs are captured, then replays the one-request step graph
-(the decode forward for ``off``, the whole speculative step otherwise) and, for DFlash, a graph of
-the draft's propose alone, under the torch profiler. Reports per graph: the CUDA-event time of a
-replay, the sum of its kernels' times (the difference is the GPU's idle gaps between kernels), the
-kernel count, a table by kernel name, and the first ``--list`` kernels in launch order.
+settings), generates once so the steps are captured, then replays the one-request step (the decode
+forward for ``off``, the whole speculative step otherwise; each a few graphs, fast/model/capture.py)
+and, for DFlash, a graph of the draft's propose alone, under the torch profiler. Reports per step:
+the CUDA-event time of a replay, the sum of its kernels' times (the difference is the GPU's idle
+gaps between kernels), the kernel count, a table by kernel name, and the first ``--list`` kernels
+in launch order; ``--host-profile N`` adds a cProfile of an N-token generate and the runner's step times.
 """
 
 from __future__ import annotations
