@@ -65,9 +65,12 @@ class RouterBlocks:
 def default_blocks(rows: int, num_experts: int, hidden: int) -> RouterBlocks:
     """About 8K products in flight per program (64 fp32 registers a thread at 4 warps); more experts per
     program as the rows grow, so x is re-read fewer times (E / block_e times) while W_router is read
-    ceil(N / block_n) times; the grid stays in the hundreds of programs for 132 SMs."""
+    ceil(N / block_n) times; the grid stays in the hundreds of programs for 132 SMs. The H200 sweep
+    (bench/results/2026-12-01-h200/kernels/router.json, E = 256 / 512) chose two experts a program up to
+    8 rows (8.6 vs 12.2 us at 8 rows, 13.8 vs 20.8) and eight past 16 (at 128 rows 30.7 vs 54.0 us with
+    sixteen, 58.8 vs 107.6; at 32 rows eight was the best tried)."""
     block_n = min(triton.next_power_of_2(max(rows, 1)), 16)
-    block_e = 2 if rows <= 2 else 4 if rows <= 16 else 8 if rows <= 64 else 16
+    block_e = 2 if rows <= 8 else 4 if rows <= 16 else 8
     block_e = min(block_e, triton.next_power_of_2(num_experts))
     block_c = min(max(8192 // (block_n * block_e), 16), triton.next_power_of_2(hidden))
     return RouterBlocks(block_n, block_e, block_c)
