@@ -1,5 +1,5 @@
 """cProfile of one CPU generation with the bundled pair: python scripts/diag/cpu_step_profile.py dflash 3 1.0 (algorithm, k or 0, temperature)."""
-import sys, cProfile, pstats, torch
+import sys, cProfile, pstats
 from dflash2.fast.llm import LLM, SamplingParams
 alg, k, temp = sys.argv[1], int(sys.argv[2]) or None, float(sys.argv[3])
 llm = LLM(None, device="cpu", speculative_algorithm=alg, speculative_num_steps=k, max_running_req=1)

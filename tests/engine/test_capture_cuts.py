@@ -1,4 +1,4 @@
-"""fast/model/capture.py: graph_cut acts only inside ``cutting`` (a capture), restores the outer cutter,
+"""fast/model/capture.py: graph_cut acts only inside ``cutting`` (a capture), which restores the outer cutter,
 and the target marks a cut between each of its LAYER_GROUPS layer groups."""
 
 from __future__ import annotations
@@ -9,11 +9,8 @@ from dflash2.fast.model import capture
 from dflash2.fast.model import target as target_module
 
 
-def test_graph_cut_is_a_no_op_outside_a_capture():
-    capture.graph_cut()  # nothing installed: nothing happens
-
-
 def test_cutting_installs_and_restores_the_cutter():
+    """Inside ``cutting`` a cut calls the cutter (the innermost); outside it, a cut calls nothing."""
     outer, inner = [], []
     with capture.cutting(lambda: outer.append(1)):
         capture.graph_cut()
@@ -21,8 +18,8 @@ def test_cutting_installs_and_restores_the_cutter():
             capture.graph_cut()
             capture.graph_cut()
         capture.graph_cut()
-    capture.graph_cut()
-    assert (outer, inner) == ([1, 1], [1, 1])
+    capture.graph_cut()  # nothing installed any more: no call
+    assert (outer, inner) == ([1, 1], [1, 1]) and capture._cut is None
 
 
 def test_cutting_restores_after_an_error():

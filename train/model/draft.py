@@ -38,25 +38,13 @@ from dflash2.reference.formats.draft_config import DraftConfig
 from dflash2.reference.formats.errors import CheckpointError
 
 from .draft_conv import GroupedDynamicConv
+from .rms_norm import Qwen3RMSNorm
 
 
 def linear(in_features: int, out_features: int) -> nn.Linear:
     """A bias-free projection left uninitialised (``init_weights`` or a checkpoint fills it; the
     global RNG is never drawn from)."""
     return skip_init(nn.Linear, in_features, out_features, bias=False)
-
-
-class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm over the last axis, ``w * x / sqrt(mean(x^2) + eps)``, in fp32."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
 
 
 def apply_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
@@ -99,7 +87,7 @@ class DraftAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim, self.theta = h, hkv, d, cfg.rope_theta
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = linear(c, h * d), linear(c, hkv * d), \
             linear(c, hkv * d), linear(h * d, c)
-        self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+        self.q_norm, self.k_norm = Qwen3RMSNorm(d, cfg.rms_norm_eps), Qwen3RMSNorm(d, cfg.rms_norm_eps)
 
     def keys_values(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Post-RoPE keys and values of rows ``x [..., C]`` at ``positions [...]``: each ``[..., Hkv, D]``."""
@@ -142,8 +130,8 @@ class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         c, taps, g = cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size
-        self.input_layernorm = RMSNorm(c, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c, cfg.rms_norm_eps)
+        self.input_layernorm = Qwen3RMSNorm(c, cfg.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(c, cfg.rms_norm_eps)
         self.self_attn, self.mlp = DraftAttention(cfg), DraftMLP(cfg)
         self.attention_conv, self.mlp_conv = GroupedDynamicConv(c, taps, g), GroupedDynamicConv(c, taps, g)
 
@@ -173,7 +161,7 @@ class TrainableDraft(nn.Module):
         self.cfg = cfg
         c = cfg.hidden_size
         self.fc = linear(cfg.num_taps * c, c)
-        self.hidden_norm, self.norm = RMSNorm(c, cfg.rms_norm_eps), RMSNorm(c, cfg.rms_norm_eps)
+        self.hidden_norm, self.norm = Qwen3RMSNorm(c, cfg.rms_norm_eps), Qwen3RMSNorm(c, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.candidate_selector = CandidateSelector(cfg)
         names = {name: tuple(p.shape) for name, p in self.named_parameters()}
