@@ -10,7 +10,7 @@ is spread over several layers; times are per layer. do_bench (median; it flushes
 repetitions) times the eager Triton call, the torch form (one host sync per layer), and a CUDA
 graph of the Triton calls (captured, then replayed: proof that the op is capturable). Checks:
 Triton vs the torch form within bf16 NUMERIC (2e-2 rms-relative), two eager runs bitwise equal,
-graph replay bitwise equal to eager. A short sweep of block sizes at N in {1, 16, 128} and a
+graph replay bitwise equal to eager. A short sweep of block sizes at N in {1, 4, 8, 16, 128} and a
 per-kernel profile follow. Bandwidth: the nominal 4.25e12 B/s and a device-to-device copy measured here.
 
     PYTHONPATH=/tmp/pkg python3 bench/kernels/bench_moe.py --out result.json     # from the repo root
@@ -39,6 +39,9 @@ NOMINAL_BW = 4.25e12
 EXPERT_BYTES = (2 * WIDTH * HIDDEN + HIDDEN * WIDTH) * 2
 SWEEP = {  # beside each N's default (fast/kernels/moe.default_blocks); one compile each
     1: [MoEBlocks(), MoEBlocks(block_i=16, block_c=256, num_stages=4), MoEBlocks(block_i=64, block_c=256, num_stages=4)],
+    4: [MoEBlocks(block_i=64), MoEBlocks(block_c=256, num_stages=4)],
+    8: [MoEBlocks(block_i=64), MoEBlocks(block_i=64, num_stages=4), MoEBlocks(block_i=64, block_c=256, num_stages=4),
+        MoEBlocks(block_c=256, num_stages=4), MoEBlocks(block_i=64, num_warps=8)],
     16: [MoEBlocks(block_i=32), MoEBlocks(block_i=64, num_stages=4)],
     128: [MoEBlocks(block_i=128), MoEBlocks(block_i=32)],
 }
@@ -173,7 +176,7 @@ def main() -> None:
     for s in results.get("sweep", []):
         b = s["blocks"]
         print(f"sweep N={s['rows']:<4} m{b['block_m']} i{b['block_i']} k{b['block_k']} c{b['block_c']} "
-              f"st{b['num_stages']}: {s['graph_us']:8.1f} us  {100 * s['fraction_of_floor']:5.1f}% of floor")
+              f"st{b['num_stages']} w{b['num_warps']}: {s['graph_us']:8.1f} us  {100 * s['fraction_of_floor']:5.1f}% of floor")
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (floor below at {NOMINAL_BW / 1e12:.2f}); "
           f"{results['seconds']:.1f} s in all")
     print(f"{'N':>4} {'experts':>7} {'floor us':>9} {'graph us':>9} {'floor %':>7} {'eager us':>9} {'torch us':>9} "

@@ -37,7 +37,8 @@ WEIGHTS_RMS_REL = 1e-6  # the weights' check, rms-relative: 10x under fp32 NUMER
 ROUTER_BYTES = 256 << 20  # routers per graph: 256 MiB of them, > the 50 MiB L2, so each is read from HBM
 NOMINAL_BW = 4.25e12
 SWEEP = (RouterBlocks(1, 1, 2048), RouterBlocks(1, 4, 1024), RouterBlocks(1, 2, 4096, num_warps=8),
-         RouterBlocks(8, 2, 512), RouterBlocks(8, 8, 128), RouterBlocks(16, 8, 64),
+         RouterBlocks(8, 2, 512), RouterBlocks(8, 8, 128), RouterBlocks(8, 1, 1024), RouterBlocks(8, 1, 2048, num_warps=8),
+         RouterBlocks(8, 2, 1024, num_warps=8), RouterBlocks(16, 8, 64),
          RouterBlocks(16, 16, 32, num_warps=8))
 SWEEP_UNTIL_S = 40  # the sweep is skipped past this many seconds (compiles), to stay under a minute
 

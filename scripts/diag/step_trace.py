@@ -9,7 +9,10 @@ forward for ``off``, the whole speculative step otherwise; each a few graphs, fa
 and, for DFlash, a graph of the draft's propose alone, under the torch profiler. Reports per step:
 the CUDA-event time of a replay, the sum of its kernels' times (the difference is the GPU's idle
 gaps between kernels), the kernel count, a table by kernel name, and the first ``--list`` kernels
-in launch order; ``--host-profile N`` adds a cProfile of an N-token generate and the runner's step times.
+in launch order; ``--host-profile N`` adds a cProfile of an N-token generate and the runner's step times;
+``--timeline N`` profiles an N-token generate (host and device) and splits each runner step's wall time
+into the host's lead before its first kernel, the GPU's span (kernels busy, gaps) and the tail after
+the last kernel, with the host calls of the lead.
 """
 
 from __future__ import annotations
@@ -101,6 +104,55 @@ def host_profile(llm, prompt: list[int], tokens: int) -> None:
     stats.sort_stats("tottime").print_stats(30)
 
 
+def timeline(llm, prompt: list[int], tokens: int, kind: str) -> None:
+    """Each ``kind`` step of an N-token generate on one timeline (torch profiler, host and device):
+    lead = step start -> its first kernel (host work and launch latency the GPU waits for), span =
+    first kernel start -> last kernel end (busy = kernel time within it), tail = last kernel end ->
+    step end (the device read). Medians over the steps, and the host calls inside the leads."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    runner = llm.engine.runner
+    fn = getattr(runner, kind)
+
+    def marked(plan, *a, **kw):
+        with record_function("dflash2.step"):
+            return fn(plan, *a, **kw)
+    setattr(runner, kind, marked)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], params)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate([prompt], params)
+    setattr(runner, kind, fn)
+    path = os.path.join(tempfile.mkdtemp(), "timeline.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((e for e in events if e["name"] == "dflash2.step" and e.get("cat") == "user_annotation"),
+                   key=lambda e: e["ts"])
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    host_calls = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function")]
+    rows, lead_calls = [], collections.defaultdict(float)
+    for step in steps:
+        start, end = step["ts"], step["ts"] + step["dur"]
+        inside = [k for k in kernels if start <= k["ts"] and k["ts"] + k["dur"] <= end + 50]
+        if not inside:
+            continue
+        first, last = inside[0]["ts"], max(k["ts"] + k["dur"] for k in inside)
+        rows.append((step["dur"], first - start, last - first, sum(k["dur"] for k in inside), end - last, len(inside)))
+        for call in host_calls:
+            if start <= call["ts"] < first:
+                lead_calls[call["name"]] += call["dur"] / len(steps)
+    if not rows:
+        print(f"timeline: no {kind} step with kernels")
+        return
+    med = [sorted(col)[len(col) // 2] for col in zip(*rows)]
+    print(f"\n== timeline of {len(rows)} {kind} steps (median us): wall {med[0]:.0f}, lead {med[1]:.0f}, "
+          f"GPU span {med[2]:.0f} (kernels busy {med[3]:.0f}, {med[5]} kernels), tail {med[4]:.0f}")
+    print("  host calls in the lead (mean us a step; nested calls count in their parents too):")
+    for name, us in sorted(lead_calls.items(), key=lambda kv: -kv[1])[:25]:
+        print(f"  {us:9.1f}  {name[:110]}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -111,6 +163,7 @@ def main() -> int:
     p.add_argument("--list", type=int, default=120, help="kernels to print in launch order")
     p.add_argument("--out", default=None)
     p.add_argument("--host-profile", type=int, default=0, help="also cProfile a generate of this many tokens")
+    p.add_argument("--timeline", type=int, default=0, help="also split the steps of a generate of this many tokens")
     args = p.parse_args()
     algorithm, k = SETTINGS[args.setting]
     llm = LLM(args.model, max_running_req=1, load_format="dummy", seed=0, speculative_algorithm=algorithm,
@@ -141,6 +194,8 @@ def main() -> int:
         results.append(report("draft propose (graph)", graph.replay, args.list))
     if args.host_profile:
         host_profile(llm, prompt, args.host_profile)
+    if args.timeline:
+        timeline(llm, prompt, args.timeline, "decode" if algorithm == "none" else "verify")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f)
