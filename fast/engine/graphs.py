@@ -38,12 +38,17 @@ rounding, since GEMM kernels are chosen by row count.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from dflash2.reference.request.sampling_params import SamplingParams
+
+from ..kernels.philox import seed_bits
+from ..kernels.sampler import HostSummary, SamplingTensors
 from ..model.batch import PAD_SLOT, ForwardBatch
 from ..model.capture import cutting
 from ..model.moe import moe_experts_torch
@@ -90,24 +95,31 @@ class GraphKey:
 
 
 class StaticInputs:
-    """Named fixed-size device fields (int64 and fp32), each dtype one buffer, filled from pinned host twins."""
+    """Named fixed-size device fields (int64 and fp32), each dtype one buffer, filled from pinned host twins.
+
+    The host twins are numpy views of the pinned buffers: a step's fill is a few numpy writes of
+    microseconds each, where torch's CPU ops cost several microseconds of dispatch apiece and, on the
+    step's critical path, kept the GPU waiting (bench/results/2026-12-01-h200-perf3/).
+    """
 
     def __init__(self, int_fields: dict[str, int], float_fields: dict[str, int], device: torch.device):
-        self.views, self.host = {}, {}
+        self.views: dict[str, Tensor] = {}
+        self.host: dict[str, np.ndarray] = {}
         self._pairs = []
         cuda = device.type == "cuda"
         for dtype, fields in ((torch.long, int_fields), (torch.float32, float_fields)):
             size = sum(fields.values())
             device_buf = torch.zeros(size, dtype=dtype, device=device)
             host_buf = torch.zeros(size, dtype=dtype, pin_memory=cuda)
+            host_np = host_buf.numpy()
             start = 0
             for name, n in fields.items():
-                self.views[name], self.host[name] = device_buf[start:start + n], host_buf[start:start + n]
+                self.views[name], self.host[name] = device_buf[start:start + n], host_np[start:start + n]
                 start += n
             self._pairs.append((device_buf, host_buf))
         self._uploaded = torch.cuda.Event() if cuda else None
 
-    def begin_fill(self) -> dict[str, Tensor]:
+    def begin_fill(self) -> dict[str, np.ndarray]:
         """The host fields to write (after the previous upload has left the pinned buffers)."""
         if self._uploaded is not None:
             self._uploaded.synchronize()
@@ -126,33 +138,45 @@ def batch_fields(key: GraphKey) -> dict[str, int]:
             "block_tables": b * key.pages, "context_lens": b, "logits_rows": b * r}
 
 
-def fill_batch(host: dict[str, Tensor], key: GraphKey, *, starts: Tensor, slots: Tensor, tables: Tensor,
-               logits_rows: Tensor, page_size: int) -> None:
-    """Write the padded ForwardBatch fields of ``len(starts)`` real sequences of R rows each.
+def fill_batch(host: dict[str, np.ndarray], key: GraphKey, *, starts: Sequence[int], slots: Sequence[int],
+               tables: Sequence[Sequence[int]], logits_rows: Sequence[int], page_size: int) -> None:
+    """Write the padded ForwardBatch fields of ``len(starts)`` real sequences of R rows each (not the tokens).
 
-    starts, slots: ``[B']`` int64; tables: ``[B', P']`` int64 (-1 past each sequence's pages, P' <= P);
-    logits_rows: ``[M]`` int64 (padded with every row after them).
+    starts, slots: B' ints; tables: B' rows of page ids (a sequence's pages in order, at most P; -1 pads);
+    logits_rows: M ints (padded with every row after them). Lists, numpy arrays or CPU tensors.
     """
     b, r, p = key.num_seqs, key.rows_per_seq, key.pages
-    num_seqs = starts.numel()
+    starts = np.asarray(starts, dtype=np.int64)
+    num_seqs = starts.size
     n_real = num_seqs * r
-    positions = (starts[:, None] + torch.arange(r)).reshape(-1)  # [n_real]
-    host["positions"].zero_()
+    positions = (starts[:, None] + np.arange(r)).reshape(-1)  # [n_real]
+    host["positions"][:] = 0
     host["positions"][:n_real] = positions
-    host["cu_seqlens"].copy_(torch.arange(b + 1) * r)
-    host["state_slots"].fill_(PAD_SLOT)
-    host["state_slots"][:num_seqs] = slots
-    host["kv_slot_mapping"].fill_(PAD_SLOT)
+    host["cu_seqlens"][:] = np.arange(b + 1) * r
+    host["state_slots"][:] = PAD_SLOT
+    host["state_slots"][:num_seqs] = np.asarray(slots, dtype=np.int64)
+    table = host["block_tables"].reshape(b, p)
+    table[:] = PAD_SLOT
+    for i, pages in enumerate(tables):
+        pages = np.asarray(pages, dtype=np.int64)
+        table[i, :pages.size] = pages
+    host["kv_slot_mapping"][:] = PAD_SLOT
     if num_seqs:
-        seq = torch.arange(num_seqs).repeat_interleave(r)
-        host["kv_slot_mapping"][:n_real] = kv_slot_mapping(tables, seq, positions, page_size)
-    table = host["block_tables"].view(b, p)
-    table.fill_(PAD_SLOT)
-    table[:num_seqs, :tables.shape[1]] = tables
-    host["context_lens"].zero_()
+        seq = np.repeat(np.arange(num_seqs), r)
+        host["kv_slot_mapping"][:n_real] = table[seq, positions // page_size] * page_size + positions % page_size
+    host["context_lens"][:] = 0
     host["context_lens"][:num_seqs] = starts + r
-    host["logits_rows"].copy_(torch.arange(b * r))
-    host["logits_rows"][:logits_rows.numel()] = logits_rows
+    logits_rows = np.asarray(logits_rows, dtype=np.int64)
+    host["logits_rows"][:] = np.arange(b * r)
+    host["logits_rows"][:logits_rows.size] = logits_rows
+
+
+def fill_per_request(host: dict[str, np.ndarray], fields: Mapping[str, tuple[Sequence, float]]) -> None:
+    """Per-request fields ``name -> (values of the B' real requests, padding value)``."""
+    for name, (values, pad) in fields.items():
+        values = np.asarray(values, dtype=host[name].dtype)
+        host[name][:] = pad
+        host[name][:values.size] = values
 
 
 def batch_view(views: dict[str, Tensor], key: GraphKey, token_ids: Tensor) -> ForwardBatch:
@@ -242,38 +266,71 @@ class _KeyedGraphs:
     def _padding(self, key: GraphKey, extra_int: dict[str, int], extra_float: dict[str, int]) -> StaticInputs:
         """Static inputs for ``key``, filled with an all-padding batch (what the capture runs on)."""
         inputs = StaticInputs({**batch_fields(key), **extra_int}, extra_float, self.device)
-        empty = torch.zeros(0, dtype=torch.long)
-        fill_batch(inputs.begin_fill(), key, starts=empty, slots=empty, tables=empty.view(0, 0), logits_rows=empty,
-                   page_size=self.page_size)
+        fill_batch(inputs.begin_fill(), key, starts=[], slots=[], tables=[], logits_rows=[], page_size=self.page_size)
         inputs.upload()
         return inputs
 
 
+SAMPLING_INT_FIELDS = ("sample_positions", "top_k", "seeds")
+SAMPLING_FLOAT_FIELDS = ("temperature", "top_p")
+
+
+def sampling_fields(params: Sequence[SamplingParams]) -> dict[str, tuple[list, float]]:
+    """The per-request sampling fields of ``params`` and their padding (padding requests are greedy)."""
+    return {"temperature": ([sp.temperature for sp in params], 0.0), "top_k": ([sp.top_k for sp in params], -1),
+            "top_p": ([sp.top_p for sp in params], 1.0), "seeds": (seed_bits(sp.seed for sp in params), 0)}
+
+
 class TargetGraphs(_KeyedGraphs):
-    """Captured target forwards over the pools (decode, or a verify's forward)."""
+    """Captured target forwards over the pools (decode, or a verify's forward).
+
+    Beside the batch fields each graph's upload carries the rows' tokens and, for a decode, the
+    requests' sampling parameters and draw positions: the step's only host-to-device copy (a copy
+    from pageable memory costs the host tens of microseconds while the GPU waits).
+    """
 
     def __init__(self, target, pools, *, max_seqs: int, max_pages: int):
         super().__init__(pools, max_seqs=max_seqs, max_pages=max_pages)
         self.target = target
 
-    def run(self, key: GraphKey, token_ids: Tensor, *, starts: Tensor, slots: Tensor, tables: Tensor,
-            logits_rows: Tensor) -> tuple[ForwardBatch, FastOutput]:
-        """One replay for ``len(starts)`` sequences of ``key.rows_per_seq`` rows each (host int64 inputs,
-        ``token_ids [n]`` on the device). Returns the real sequences' batch and outputs: views of static
-        memory, valid until the next replay."""
+    def run(self, key: GraphKey, tokens: Tensor | Sequence[int], *, starts: Sequence[int], slots: Sequence[int],
+            tables: Sequence[Sequence[int]], logits_rows: Sequence[int],
+            sampling: tuple[Sequence[SamplingParams], Sequence[int]] | None = None) -> tuple[ForwardBatch, FastOutput]:
+        """One replay for ``len(starts)`` sequences of ``key.rows_per_seq`` rows each (``fill_batch``'s
+        host inputs). ``tokens``: the rows' ids, host ints (uploaded with the rest) or a device tensor
+        ``[n]`` (copied after the upload). ``sampling`` (a decode): the requests' parameters and the
+        positions their next tokens are drawn at, for :meth:`sampling_views`. Returns the real sequences'
+        batch and outputs: views of static memory, valid until the next replay."""
         step = self.graphs.get(key) or self._capture(key)
         host = step.inputs.begin_fill()
         fill_batch(host, key, starts=starts, slots=slots, tables=tables, logits_rows=logits_rows,
                    page_size=self.page_size)
+        on_device = isinstance(tokens, Tensor) and tokens.device.type != "cpu"
+        if not on_device:
+            fill_per_request(host, {"tokens": (tokens, 0)})
+        if sampling is not None:
+            params, positions = sampling
+            fill_per_request(host, {**sampling_fields(params), "sample_positions": (positions, 0)})
         step.inputs.upload()
-        n, m = token_ids.shape[0], logits_rows.numel()
-        step.tokens[:n].copy_(token_ids)
+        n, m = len(tokens), len(logits_rows)
+        if on_device:
+            step.tokens[:n].copy_(tokens)
         batch, out = step.replay()
-        return real_rows(batch, starts.numel(), n, m), FastOutput(out.logits[:m], out.hidden[:n], out.taps[:n])
+        return real_rows(batch, len(starts), n, m), FastOutput(out.logits[:m], out.hidden[:n], out.taps[:n])
+
+    def sampling_views(self, key: GraphKey, num_seqs: int, summary: HostSummary) -> tuple[SamplingTensors, Tensor]:
+        """The sampling parameters and draw positions the last ``run`` of ``key`` uploaded, as device views
+        of its first ``num_seqs`` requests (valid until that graph's next fill)."""
+        views = self.graphs[key].inputs.views
+        st = SamplingTensors(views["temperature"][:num_seqs], views["top_k"][:num_seqs], views["top_p"][:num_seqs],
+                             views["seeds"][:num_seqs], summary)
+        return st, views["sample_positions"][:num_seqs]
 
     def _capture(self, key: GraphKey) -> CapturedStep:
-        inputs = self._padding(key, {}, {})
-        tokens = torch.zeros(key.num_seqs * key.rows_per_seq, dtype=torch.long, device=self.device)
+        b = key.num_seqs
+        inputs = self._padding(key, {"tokens": b * key.rows_per_seq, **{name: b for name in SAMPLING_INT_FIELDS}},
+                               {name: b for name in SAMPLING_FLOAT_FIELDS})
+        tokens = inputs.views["tokens"]
 
         def forward(views):
             batch = batch_view(views, key, tokens)
@@ -290,7 +347,8 @@ REQUEST_FLOAT_FIELDS = ("temperature", "top_p")
 
 
 class StepGraphs(_KeyedGraphs):
-    """Captured whole speculative steps: ``step_fn(views, key) -> (num_accepted [B], emitted [B, R])``.
+    """Captured whole speculative steps: ``step_fn(views, key) -> (num_accepted [B], emitted [B, R])``,
+    replayed as one ``[B, 1 + R]`` tensor.
 
     Per-request fields beside the batch: anchor token and position, sampling parameters (temperature,
     top-k, top-p, seed; padding requests are greedy) and, for benchmarks only, ``keep`` (the drafts a
@@ -301,31 +359,32 @@ class StepGraphs(_KeyedGraphs):
         super().__init__(pools, max_seqs=max_seqs, max_pages=max_pages)
         self.step_fn = step_fn
 
-    def run(self, key: GraphKey, *, anchors: Tensor, slots: Tensor, tables: Tensor, anchor_tokens: Tensor,
-            temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
-        """One replay for ``len(anchors)`` requests (host tensors); returns their ``num_accepted`` and ``emitted``."""
+    def run(self, key: GraphKey, *, anchors: Sequence[int], slots: Sequence[int], tables: Sequence[Sequence[int]],
+            anchor_tokens: Sequence[int], params: Sequence[SamplingParams], keep: int) -> list[list[int]]:
+        """One replay for ``len(anchors)`` requests (host inputs as ``fill_batch``'s; ``keep``: -1, or the
+        drafts a benchmark's simulated verify keeps). Returns, per request, ``[num_accepted, *emitted]``:
+        the step's one device-to-host read."""
         step = self.graphs.get(key) or self._capture(key)
         host = step.inputs.begin_fill()
-        num_seqs = anchors.numel()
+        num_seqs = len(anchors)
         fill_batch(host, key, starts=anchors, slots=slots, tables=tables,
-                   logits_rows=torch.arange(num_seqs * key.rows_per_seq), page_size=self.page_size)
-        for name, values, pad in (("anchor_tokens", anchor_tokens, 0), ("anchors", anchors, 0), ("top_k", top_k, -1),
-                                  ("seeds", seeds, 0), ("keep", keep, 0), ("temperature", temperature, 0.0),
-                                  ("top_p", top_p, 1.0)):
-            host[name].fill_(pad)
-            host[name][:num_seqs] = values
+                   logits_rows=range(num_seqs * key.rows_per_seq), page_size=self.page_size)
+        fill_per_request(host, {"anchor_tokens": (anchor_tokens, 0), "anchors": (anchors, 0),
+                                "keep": ([keep] * num_seqs, 0), **sampling_fields(params)})
         step.inputs.upload()
-        num_accepted, emitted = step.replay()
-        return num_accepted[:num_seqs], emitted[:num_seqs]
+        return step.replay()[:num_seqs].tolist()
 
     def _capture(self, key: GraphKey) -> CapturedStep:
         b = key.num_seqs
         inputs = self._padding(key, {name: b for name in REQUEST_INT_FIELDS},
                                {name: b for name in REQUEST_FLOAT_FIELDS})
-        host = inputs.begin_fill()
-        host["top_k"].fill_(-1)
-        host["top_p"].fill_(1.0)
+        fill_per_request(inputs.begin_fill(), sampling_fields([]))
         inputs.upload()
-        step = CapturedStep(inputs, lambda views: self.step_fn(views, key), self.device, self.mempool)
+
+        def step_fn(views):
+            num_accepted, emitted = self.step_fn(views, key)
+            return torch.cat([num_accepted[:, None], emitted], dim=1)  # [B, 1 + R]: one read of both
+
+        step = CapturedStep(inputs, step_fn, self.device, self.mempool)
         self.graphs[key] = step
         return step

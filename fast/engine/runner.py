@@ -38,7 +38,6 @@ from torch import Tensor
 from dflash2.reference.request.sampling_params import SamplingParams
 from dflash2.reference.request.trace import StepRecord
 
-from ..kernels.philox import seeds_tensor
 from ..kernels.sampler import HostSummary, SamplingTensors
 from ..model.batch import ForwardBatch
 from ..model.capture import graph_cut
@@ -118,16 +117,19 @@ class ModelRunner:
                         block_tables: Tensor | None = None) -> tuple[ForwardBatch, object]:
         """The target over ``rows`` rows per request at ``starts[b]..``: by CUDA-graph replay when the
         step fits a captured shape (``fast/engine/graphs.py``), else eagerly. Returns (batch, output)."""
-        if self.graphs is not None:
-            host_tables = self._page_table(reqs)
-            key = self.graphs.key_for(len(reqs), rows, host_tables.shape[1], is_verify)
-            if key is not None:
-                return self.graphs.run(key, token_ids, starts=torch.tensor(list(starts)),
-                                       slots=torch.tensor([r.slot for r in reqs]), tables=host_tables,
-                                       logits_rows=torch.tensor(list(logits_rows)))
+        key = self._graph_key(reqs, rows, is_verify)
+        if key is not None:
+            return self.graphs.run(key, token_ids, starts=starts, slots=[r.slot for r in reqs],
+                                   tables=[r.pages for r in reqs], logits_rows=logits_rows)
         batch = self.build_batch(reqs, starts, [rows] * len(reqs), token_ids, is_verify=is_verify,
                                  logits_rows=logits_rows, block_tables=block_tables)
         return batch, self.target.forward(batch, self.pools)
+
+    def _graph_key(self, reqs: Sequence[Req], rows: int, is_verify: bool) -> GraphKey | None:
+        """The captured target forward a uniform step of ``rows`` rows per request replays, or None."""
+        if self.graphs is None:
+            return None
+        return self.graphs.key_for(len(reqs), rows, max(len(r.pages) for r in reqs), is_verify)
 
     @staticmethod
     def _page_table(reqs: Sequence[Req], min_pages: int = 0) -> Tensor:
@@ -194,13 +196,21 @@ class ModelRunner:
         self.logprobs = None
         reqs = plan.reqs
         anchors = [r.anchor_position for r in reqs]
-        # the host-to-device copies before the forward: a copy from pageable memory queued behind a
-        # replay would hold the host until the replay ends, and the launches after it would idle the GPU
-        st = self.sampling([r.params for r in reqs])
-        positions = self._tensor([a + 1 for a in anchors])
-        _, out = self.forward_uniform(reqs, anchors, 1, self._tensor([r.output_ids[-1] for r in reqs]),
-                                      is_verify=False, logits_rows=range(len(reqs)))
-        sampled = sample_next(out.logits, st, positions)
+        tokens = [r.output_ids[-1] for r in reqs]
+        params = [r.params for r in reqs]
+        positions = [a + 1 for a in anchors]
+        key = self._graph_key(reqs, 1, False)
+        if key is not None:  # one upload carries the batch, the tokens and the sampling parameters
+            _, out = self.graphs.run(key, tokens, starts=anchors, slots=[r.slot for r in reqs],
+                                     tables=[r.pages for r in reqs], logits_rows=range(len(reqs)),
+                                     sampling=(params, positions))
+            st, positions_t = self.graphs.sampling_views(key, len(reqs), HostSummary.of(params))
+        else:
+            st, positions_t = self.sampling(params), self._tensor(positions)
+            batch = self.build_batch(reqs, anchors, [1] * len(reqs), self._tensor(tokens), is_verify=False,
+                                     logits_rows=range(len(reqs)))
+            out = self.target.forward(batch, self.pools)
+        sampled = sample_next(out.logits, st, positions_t)
         if top_logprobs is not None:
             self.logprobs = self._committed_logprobs(out.logits, st, sampled, range(len(reqs)), top_logprobs)
         return sampled.tolist()
@@ -269,22 +279,18 @@ class ModelRunner:
     def _verify_graphed(self, reqs: Sequence[Req], k: int) -> list[VerifyResult] | None:
         """``verify`` for requests that all draft k, by replaying the captured step; None if no graph fits."""
         rows = k + 1
-        anchor_list = [r.anchor_position for r in reqs]
-        tables = self._page_table(reqs, -(-(max(anchor_list) + rows) // self.page_size))
-        key = self.step_graphs.key_for(len(reqs), rows, tables.shape[1], True)
+        anchors = [r.anchor_position for r in reqs]
+        pages = max(max(len(r.pages) for r in reqs), -(-(max(anchors) + rows) // self.page_size))
+        key = self.step_graphs.key_for(len(reqs), rows, pages, True)
         if key is None:
             return None
         params = [r.params for r in reqs]
         key = replace(key, sampling=graph_summary(params))
         keep = self.simulated_accept() if self.simulated_accept is not None else -1
-        accepted, emitted = self.step_graphs.run(
-            key, anchors=torch.tensor(anchor_list), slots=torch.tensor([r.slot for r in reqs]), tables=tables,
-            anchor_tokens=torch.tensor([r.output_ids[-1] for r in reqs]),
-            temperature=torch.tensor([sp.temperature for sp in params]), top_k=torch.tensor([sp.top_k for sp in params]),
-            top_p=torch.tensor([sp.top_p for sp in params]), seeds=seeds_tensor([sp.seed for sp in params]),
-            keep=torch.full((len(reqs),), keep))
-        accepted, emitted = accepted.tolist(), emitted.tolist()  # the step's one device-to-host read
-        return [VerifyResult(a, e[:a + 1], None) for a, e in zip(accepted, emitted)]
+        results = self.step_graphs.run(key, anchors=anchors, slots=[r.slot for r in reqs],
+                                       tables=[r.pages for r in reqs], anchor_tokens=[r.output_ids[-1] for r in reqs],
+                                       params=params, keep=keep)  # per request [num_accepted, *emitted]
+        return [VerifyResult(row[0], row[1:row[0] + 2], None) for row in results]
 
     def verify_step_fn(self, views: dict[str, Tensor], key: GraphKey) -> tuple[Tensor, Tensor]:
         """One speculative step over the static fields of ``key`` (captured by ``StepGraphs``):

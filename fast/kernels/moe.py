@@ -54,15 +54,18 @@ class MoEBlocks:
 
 
 def default_blocks(rows: int) -> MoEBlocks:
-    """Defaults by row count: decode and verify (few rows per expert) keep 16-row chunks; I tiles
-    of 32 give 16 tiles of work per active expert (8 experts: 128 programs for 132 SMs), wider tiles
-    once enough experts are active to fill the GPU (fewer partials to write and sum). One row (plain
-    decode) takes the down projection in 256-column steps with a 4-stage pipeline: 23.4 vs 27.7 us a
-    layer in the H200 sweep (bench/results/2026-12-01-h200/kernels/bench_moe.log)."""
+    """Defaults by row count, from the H200 sweeps (bench/kernels/bench_moe.py, per layer, CUDA-graph
+    replays): one row (plain decode) takes the down projection in 256-column steps with a 4-stage
+    pipeline (23.4 vs 27.7 us, bench/results/2026-12-01-h200/kernels/bench_moe.log); from 2 rows on, I
+    tiles of 64 (half the programs and half the partials of 32-wide tiles), with a 4-stage pipeline
+    from 5 rows (a verify of k = 7 is 8): 56.6 vs 65.7 us at 4 rows, 100.6 vs 116.5 at 8
+    (bench/results/2026-12-01-h200-perf3/bench_moe.log); 64-pair chunks past 128 rows."""
     if rows == 1:
         return MoEBlocks(block_c=256, num_stages=4)
+    if rows <= 4:
+        return MoEBlocks(block_i=64)
     if rows <= 8:
-        return MoEBlocks()
+        return MoEBlocks(block_i=64, num_stages=4)
     if rows <= 128:
         return MoEBlocks(block_i=64)
     return MoEBlocks(block_m=64, block_i=64)
@@ -156,7 +159,8 @@ def _moe_sum_kernel(partials_ptr, weights_ptr, out_ptr, C: tl.constexpr, TOP_K: 
     t = tl.arange(0, TILES_PAD)
     mask = (t < NUM_TILES)[:, None] & in_c[None, :]
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for j in range(TOP_K):  # fixed order: choice j, then the I tiles, so every run adds alike
+    for j in tl.static_range(TOP_K):  # fixed order: choice j, then the I tiles, so every run adds alike;
+        # unrolled, so the k + 1 pairs' loads issue at once rather than one round trip each
         pair = n * TOP_K + j
         part = tl.load(partials_ptr + pair * (NUM_TILES * C) + t[:, None] * C + c_offs[None, :], mask=mask,
                        other=0.0)  # [TILES_PAD, BLOCK_C]

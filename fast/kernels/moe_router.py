@@ -65,11 +65,15 @@ class RouterBlocks:
 def default_blocks(rows: int, num_experts: int, hidden: int) -> RouterBlocks:
     """About 8K products in flight per program (64 fp32 registers a thread at 4 warps); more experts per
     program as the rows grow, so x is re-read fewer times (E / block_e times) while W_router is read
-    ceil(N / block_n) times; the grid stays in the hundreds of programs for 132 SMs. The H200 sweep
-    (bench/results/2026-12-01-h200/kernels/router.json, E = 256 / 512) chose two experts a program up to
-    8 rows (8.6 vs 12.2 us at 8 rows, 13.8 vs 20.8) and eight past 16 (at 128 rows 30.7 vs 54.0 us with
-    sixteen, 58.8 vs 107.6; at 32 rows eight was the best tried)."""
+    ceil(N / block_n) times; the grid stays in the hundreds of programs for 132 SMs. From the H200
+    sweeps (bench/kernels/bench_moe_router.py, E = 256 / 512): two experts a program at one row; from
+    2 to 8 rows one expert a program over 16K products at 8 warps (at 8 rows 7.0 vs 8.6 us with two
+    over 4K, bench/results/2026-12-01-h200-perf3/router.log); eight past 16 (at 128 rows 30.7 vs
+    54.0 us with sixteen, 58.8 vs 107.6; at 32 rows eight was the best tried,
+    bench/results/2026-12-01-h200/kernels/router.json)."""
     block_n = min(triton.next_power_of_2(max(rows, 1)), 16)
+    if 2 <= rows <= 8:
+        return RouterBlocks(block_n, 1, min(16384 // block_n, triton.next_power_of_2(hidden)), num_warps=8)
     block_e = 2 if rows <= 8 else 4 if rows <= 16 else 8
     block_e = min(block_e, triton.next_power_of_2(num_experts))
     block_c = min(max(8192 // (block_n * block_e), 16), triton.next_power_of_2(hidden))

@@ -37,9 +37,14 @@ _ROUNDS = tl.constexpr(PHILOX_ROUNDS)
 _TWO_POW_M23 = tl.constexpr(2.0**-23)
 
 
+def seed_bits(seeds: Iterable[int]) -> list[int]:
+    """uint64 seeds as the int64 values of their bit patterns."""
+    return [s - 2**64 if s >= 2**63 else s for s in seeds]
+
+
 def seeds_tensor(seeds: Iterable[int], device: torch.device | str = "cpu") -> Tensor:
     """uint64 seeds as int64 bit patterns  # [B]."""
-    return torch.tensor([s - 2**64 if s >= 2**63 else s for s in seeds], dtype=torch.int64, device=device)
+    return torch.tensor(seed_bits(seeds), dtype=torch.int64, device=device)
 
 
 # -- Triton ---------------------------------------------------------------------------------------

@@ -8,6 +8,9 @@ the first graph's launch before the GPU starts: while the GPU runs graph i, the 
 graph i + 1. The graphs share one memory pool and replay in capture order, so a tensor made in one
 and read in the next is what it was in the single graph (``fast/engine/graphs.CapturedStep``).
 
+The first graphs are kept short (:func:`layer_cuts`): the GPU idles until the first launch
+returns, and the longer graphs behind it launch while it runs.
+
 The model marks where a cut may go (:func:`graph_cut`, e.g. between layers); only a capture that
 installs a cutter (:func:`cutting`) acts on it. Eager steps and CPU runs see a no-op.
 """
@@ -17,7 +20,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+LAYER_GROUPS = 4  # long graphs a captured target forward is cut into (0.57 ms of launch for 549 kernels, measured)
+EARLY_CUTS = (1, 3)  # and short ones first: layer 0, then layers 1-2
+
 _cut: Callable[[], None] | None = None
+
+
+def layer_cuts(num_layers: int, groups: int = LAYER_GROUPS) -> frozenset[int]:
+    """The layers before which a captured forward of ``num_layers`` layers begins a new graph: the
+    :data:`EARLY_CUTS`, then every ceil(num_layers / groups) layers."""
+    per_graph = -(-num_layers // groups)
+    return frozenset(i for i in (*EARLY_CUTS, *range(per_graph, num_layers, per_graph)) if 0 < i < num_layers)
 
 
 def graph_cut() -> None:

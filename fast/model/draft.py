@@ -51,6 +51,7 @@ from dflash2.reference.formats.draft_config import DraftConfig
 
 from ..kernels.dynamic_conv import grouped_dynamic_conv
 from ..kernels.ring_attention import ring_attention
+from .capture import graph_cut, layer_cuts
 from .norm import add_rms_norm, rms_norm
 from .rope import apply_rope, draft_qk_norm_rope, rope_cos_sin
 
@@ -219,7 +220,10 @@ class FastDraft:
         tokens = torch.where(offsets == 0, anchor_tokens[:, None], cfg.mask_token_id)  # [B, S]
         x = self.embed[tokens]  # [B, S, C] (input_embedding_scale = 1)
         cos, sin = rope_cos_sin(positions.reshape(-1), cfg.head_dim, cfg.rope_theta)  # once: every layer, q and k
+        cuts = layer_cuts(cfg.num_hidden_layers, groups=1)  # a captured step's first graphs short
         for layer in range(cfg.num_hidden_layers):
+            if layer in cuts:
+                graph_cut()
             x = self._layer(layer, x, cos, sin, ring_pool, ring_slots, anchor_positions)
             if layer_outputs is not None:
                 layer_outputs.append(x)

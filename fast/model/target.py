@@ -13,7 +13,7 @@ states instead, see fast/model/pools.py). ``taps`` are the residual rows after t
 Compute runs in ``dtype`` (residual stream, matmuls, caches); norms, RoPE, softmax, the router,
 the GDN conv and recurrence run in fp32; logits come out fp32.
 
-A CUDA-graph capture of a step is cut into ``LAYER_GROUPS`` graphs between layer groups, so the
+A CUDA-graph capture of a step is cut into graphs between layers (``capture.layer_cuts``), so the
 host launches the next while the GPU runs the last (fast/model/capture.py); eagerly it changes nothing.
 """
 
@@ -28,16 +28,13 @@ from torch import Tensor
 from dflash2.reference.formats.config import TargetConfig
 
 from .batch import ForwardBatch
-from .capture import graph_cut
+from .capture import graph_cut, layer_cuts
 from .layer import FastDecoderLayer
 from .norm import add_rms_norm, zero_centred_scale
 from .ops import DEFAULT_OPS, ModelOps
 from .params import Params
 from .pools import CachePools
 from .step import StepMeta
-
-
-LAYER_GROUPS = 4  # graphs a captured forward is cut into (0.57 ms of launch for 549 kernels, measured)
 
 
 @dataclass(frozen=True)
@@ -72,9 +69,9 @@ class FastTarget:
         x = self.embed[batch.token_ids]  # [N, C]
         pending = None  # the last layer's MLP output, added to x by the next norm (layer.forward_deferred)
         taps = x.new_empty(x.shape[0], len(self.tap_layers) * hidden_size)
-        per_graph = -(-len(self.layers) // LAYER_GROUPS)
+        cuts = layer_cuts(len(self.layers))
         for i, layer in enumerate(self.layers):
-            if i and i % per_graph == 0:
+            if i in cuts:
                 graph_cut()  # a captured step continues in its next graph (fast/model/capture.py)
             state = pools.attention[i] if layer.layer_type == "full_attention" else pools.gdn[i]
             x, pending = layer.forward_deferred(x, pending, meta, state)

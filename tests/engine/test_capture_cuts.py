@@ -1,12 +1,11 @@
-"""fast/model/capture.py: graph_cut acts only inside ``cutting`` (a capture), which restores the outer cutter,
-and the target marks a cut between each of its LAYER_GROUPS layer groups."""
+"""fast/model/capture.py: graph_cut acts only inside ``cutting`` (a capture), which restores the outer cutter;
+``layer_cuts`` puts short graphs first, then LAYER_GROUPS long ones, and the target marks those cuts."""
 
 from __future__ import annotations
 
 import pytest
 
 from dflash2.fast.model import capture
-from dflash2.fast.model import target as target_module
 
 
 def test_cutting_installs_and_restores_the_cutter():
@@ -29,15 +28,22 @@ def test_cutting_restores_after_an_error():
     assert capture._cut is None
 
 
-def test_the_target_cuts_between_layer_groups(tmp_path):
-    """tiny-dense has 6 layers: LAYER_GROUPS = 4 groups of ceil(6/4) = 2 layers, so every forward marks
-    cuts before layers 2 and 4 (the CPU runs eagerly; a cutter installed around it sees the marks)."""
+def test_layer_cuts_put_short_graphs_first():
+    assert capture.LAYER_GROUPS == 4 and capture.EARLY_CUTS == (1, 3)
+    assert capture.layer_cuts(40) == {1, 3, 10, 20, 30}  # the MoE shape: layers 0, 1-2, 3-9, then groups of 10
+    assert capture.layer_cuts(64) == {1, 3, 16, 32, 48}  # the 27B
+    assert capture.layer_cuts(8, groups=1) == {1, 3}  # a draft: the early cuts only
+    assert capture.layer_cuts(6) == {1, 2, 3, 4} and capture.layer_cuts(2) == {1} and not capture.layer_cuts(1)
+
+
+def test_the_target_marks_its_layer_cuts(tmp_path):
+    """tiny-dense has 6 layers: every forward marks cuts before layers 1, 2, 3 and 4 (the CPU runs
+    eagerly; a cutter installed around it sees the marks)."""
     import torch
 
     from dflash2.fast.llm import LLM
     from dflash2.reference.tiny.target import write_tiny_target
 
-    assert target_module.LAYER_GROUPS == 4
     llm = LLM(write_tiny_target(tmp_path / "target", "tiny-dense", tokenizer=None), dtype=torch.float32)
     target = llm.engine.model.target
     assert len(target.layers) == 6
@@ -46,4 +52,4 @@ def test_the_target_cuts_between_layer_groups(tmp_path):
     target.forward = lambda *a, **kw: forwards.append(1) or forward(*a, **kw)
     with capture.cutting(lambda: cuts.append(len(forwards))):
         llm.generate([[1, 2, 3]], None)
-    assert forwards and cuts == [n for n in range(1, len(forwards) + 1) for _ in range(2)]
+    assert forwards and cuts == [n for n in range(1, len(forwards) + 1) for _ in range(4)]
