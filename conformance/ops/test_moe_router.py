@@ -1,12 +1,14 @@
 """fast/kernels/moe_router.py and its torch twin vs reference/model/moe.route computed in float64:
 odd sizes (C = 48; E in {7, 17, 64}; k in {1, 3, 8}; N in {1, 5, 33}), fp32 inputs (the CPU
 interpreter's bf16 arithmetic is not the GPU's), the default blocks and small ones (E, N and C
-tiles that do not divide the sizes). Ids EXACT (the cases are checked to have no near ties, so
-the comparison is meaningful), weights NUMERIC; the logits scratch poisoned with NaN; two runs
-bitwise equal. Exact ties, planted by duplicate router rows, must follow the stated rule (the
-lowest expert id first) in the kernel and in the torch twin alike. Planted bugs (the opposite tie
-rule, weights not renormalised, one id off by one) must fail the checks. On CUDA, a CUDA-graph
-replay equals the eager call bit for bit, at the released model's shapes too."""
+tiles that do not divide the sizes), and C split across programs (2, 3 and 4 ranges, one cut at
+C; N in {1, 3, 8, 17}, with and without the shared gate; a split left empty is refused). Ids EXACT
+(the cases are checked to have no near ties, so the comparison is meaningful), weights NUMERIC; the
+partial-logits scratch poisoned with NaN; two runs bitwise equal. Exact ties, planted by duplicate
+router rows, must follow the stated rule (the lowest expert id first) in the kernel and in the torch
+twin alike. Planted bugs (the opposite tie rule, weights not renormalised, one id off by one) must
+fail the checks. On CUDA, a CUDA-graph replay equals the eager call bit for bit, at the released
+model's shapes too (16 and 128 rows there take the split defaults)."""
 
 from __future__ import annotations
 
@@ -14,12 +16,17 @@ import pytest
 import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.moe_router import RouterBlocks, route_torch, route_triton
+from dflash2.fast.kernels.moe_router import RouterBlocks, default_blocks, route_torch, route_triton
 from dflash2.fast.model.moe import route
 from dflash2.reference.model.moe import route as reference_route
 
 HIDDEN = 48
 SMALL = RouterBlocks(block_n=4, block_e=4, block_c=32)  # N = 5, E = 7/17, C = 48: partial tiles everywhere
+SPLITS = {  # C = 48 across programs; E = 17 (18 with the shared gate): partial E tiles in all
+    "2": RouterBlocks(block_n=4, block_e=4, block_c=16, num_splits=2),  # ranges [0, 32), [32, 48): cut at C
+    "3": RouterBlocks(block_n=2, block_e=8, block_c=16, num_splits=3),  # one step a range
+    "4": RouterBlocks(block_n=8, block_e=2, block_c=4, num_splits=4),  # three steps a range
+}
 
 
 def make_inputs(rows: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,12 +36,15 @@ def make_inputs(rows: int, experts: int, seed: int) -> tuple[torch.Tensor, torch
     return x, w_router
 
 
-def run(impl: str, x: torch.Tensor, w_router: torch.Tensor, top_k: int, blocks: RouterBlocks | None = None):
-    """The implementation under test; the Triton launcher writes its logits into a NaN-poisoned scratch."""
+def run(impl: str, x: torch.Tensor, w_router: torch.Tensor, top_k: int, blocks: RouterBlocks | None = None,
+        shared_gate: bool = False):
+    """The implementation under test; the Triton launcher writes its partial logits into a NaN-poisoned
+    scratch ``[num_splits, N, E (+ 1)]``."""
     if impl == "torch":
-        return route_torch(x, w_router, top_k)
-    logits = torch.full((x.shape[0], w_router.shape[0]), float("nan"), device=x.device)
-    return route_triton(x, w_router, top_k, blocks=blocks, logits=logits)
+        return route_torch(x, w_router, top_k, shared_gate=shared_gate)
+    splits = (default_blocks(x.shape[0], w_router.shape[0], x.shape[1]) if blocks is None else blocks).num_splits
+    logits = torch.full((splits, x.shape[0], w_router.shape[0]), float("nan"), device=x.device)
+    return route_triton(x, w_router, top_k, shared_gate=shared_gate, blocks=blocks, logits=logits)
 
 
 def min_gap(x: torch.Tensor, w_router: torch.Tensor, top_k: int) -> float:
@@ -149,6 +159,56 @@ def test_route_bad_input_names_the_argument(bad):
         kwargs["logits"] = torch.zeros(2, 6)
     with pytest.raises(ValueError, match=bad.split("_dtype")[0].split("_type")[0]):
         route_triton(x, w_router, top_k, **kwargs)
+
+
+@pytest.mark.parametrize("shared_gate", [False, True], ids=["plain", "shared"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize("splits", sorted(SPLITS))
+def test_route_split_c_matches_reference(impl_device, report, splits, rows, shared_gate):
+    """C split across programs, the partials summed in kernel 2: ids EXACT against the float64 reference
+    and the torch twin, weights (and the shared gate's) NUMERIC; two runs bitwise equal."""
+    impl, device = impl_device
+    if impl == "torch":
+        pytest.skip("the split is the Triton kernel's")
+    experts, top_k, blocks = 17, 3, SPLITS[splits]
+    x, w_router = make_inputs(rows, experts + int(shared_gate), seed=900 + rows)
+    routed = w_router[:experts]
+    assert min_gap(x, routed, top_k) > 1e-5, "the case has a near tie: EXACT ids would test rounding"
+    ref_ids, ref_weights = reference_route(x.double(), routed.double(), top_k)
+    ids, weights = run(impl, x.to(device), w_router.to(device), top_k, blocks, shared_gate)
+    assert ids.shape == weights.shape == (rows, top_k + int(shared_gate))
+    twin_ids = route_torch(x, w_router, top_k, shared_gate=shared_gate)[0]
+    assert torch.equal(ids.cpu(), twin_ids), "expert ids differ from the torch twin (EXACT)"
+    assert torch.equal(ids[:, :top_k].cpu(), ref_ids), "expert ids differ from the reference (EXACT)"
+    report.numeric(f"weights/split{splits}", weights[:, :top_k], ref_weights, NUMERIC_BOUND[torch.float32])
+    if shared_gate:
+        ref_gate = torch.sigmoid(x.double() @ w_router[experts].double())  # [N]
+        report.numeric(f"gate/split{splits}", weights[:, top_k], ref_gate, NUMERIC_BOUND[torch.float32])
+    again = run(impl, x.to(device), w_router.to(device), top_k, blocks, shared_gate)
+    assert torch.equal(again[0], ids) and torch.equal(again[1], weights), "two runs differ"
+
+
+def test_route_default_blocks_split_c_past_8_rows():
+    """Up to 8 rows C is one range (the measured defaults); past 8, ranges of two block_c steps each."""
+    for rows in (1, 2, 8):
+        assert default_blocks(rows, 257, 2048).num_splits == 1
+    for rows in (9, 32, 128):
+        blocks = default_blocks(rows, 257, 2048)
+        assert blocks.num_splits == 2048 // (2 * blocks.block_c) > 1
+    assert default_blocks(33, 17, HIDDEN).num_splits == 1  # one step of C = 48 in all
+
+
+@pytest.mark.parametrize("bad", ["empty_split", "zero_splits", "logits_unsplit"])
+def test_route_bad_split_is_refused(bad):
+    """A split whose C range would be empty, num_splits < 1, and a scratch without the split axis."""
+    x, w_router = make_inputs(2, 7, seed=6)
+    kwargs = {"blocks": RouterBlocks(4, 4, 8, num_splits=4)}  # C = 48 in 6 steps: 3 ranges of 2, the 4th empty
+    if bad == "zero_splits":
+        kwargs["blocks"] = RouterBlocks(4, 4, 8, num_splits=0)
+    elif bad == "logits_unsplit":
+        kwargs = {"blocks": SPLITS["2"], "logits": torch.zeros(2, 7)}
+    with pytest.raises(ValueError, match="logits" if bad == "logits_unsplit" else "num_splits"):
+        route_triton(x, w_router, 3, **kwargs)
 
 
 def _graph_replay_equals_eager(x: torch.Tensor, w_router: torch.Tensor, top_k: int):

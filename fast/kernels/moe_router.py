@@ -9,18 +9,27 @@ N rows, E experts, hidden C, top-k::
     w      = probs[top] / sum(probs[top])      [N, k]  fp32
 
 Kernel 1 (the GEMV, what bounds the op: reading W_router, E C x 4 bytes, 2 MiB at E = 256,
-C = 2048), one program per (``block_e`` experts, ``block_n`` rows): the product tile
-``[block_n, block_e, block_c]`` is accumulated element-wise over C and reduced once, in a fixed
-order, so the logits are bitwise reproducible. At N = 1 ``block_e`` = 2 spreads the matrix over
-E / 2 programs (128 at E = 256), each loading its 16 KiB in one or two steps: the read is
-latency-bound per SM, so many SMs with many bytes in flight each. W_router is read once per block
-of rows (ceil(N / block_n) times, from L2 after the first). Kernel 2, one program per row: softmax
-over the row's E logits held in registers (one warp), then k rounds of one max over keys that
-order by (prob, lower id), each removing its winner. No atomics, no host sync, grids fixed by
-(N, E, C): a CUDA-graph replay equals the eager call bit for bit. bench/kernels/bench_moe_router.py
-measures it against the floor (E C x 4 bytes over the copy bandwidth): on the H200 5.9 us at one
-row (E = 256, C = 2048, k = 8) against 19.8 us for the torch sequence it replaced
-(bench/results/2026-12-01-h200/kernels/router.log).
+C = 2048), grid ``(ceil(E / block_e), ceil(N / block_n), S)``: program (i, j, s) takes
+``block_e`` experts, ``block_n`` rows and the C range ``[s split_c, (s + 1) split_c)`` (``S =
+num_splits``; ``split_c`` a whole number of ``block_c`` steps, the last range cut at C, none
+empty). Its product tile ``[block_n, block_e, block_c]`` is accumulated element-wise over its range
+and reduced once, in a fixed order, into the partial logits ``P[s] = x[:, range_s] W[:, range_s]^T``
+of an fp32 scratch ``[S, N, E]``. Why split C: each C step of a program is a dependent round of
+loads, so a program walking all of C is latency-bound however few bytes it reads (unsplit, 32 rows
+took 32.5 us against a 0.5 us floor: 66 programs of 32 steps, about a microsecond a step); split,
+the grid has hundreds of programs or more of one or two steps each. At N = 1
+``block_e`` = 2 and S = 1 spread the matrix over E / 2 programs (128 at E = 256), each loading its
+16 KiB in one or two steps. W_router is read once per block of rows (ceil(N / block_n) times, from
+L2 after the first). Kernel 2, one program per row: the logits are the sum of the S partials
+``P[0] + P[1] + ... + P[S - 1]``, added in that order (the shared gate's too), so they do not
+depend on which program finished first; at S = 1 it reads the one partial, there is no extra pass.
+Then softmax over the row's E logits held in registers (one warp), and k rounds of one max over
+keys that order by (prob, lower id), each removing its winner. No atomics, no host sync, grids fixed
+by (N, E, C, blocks): a run repeats bit for bit and a CUDA-graph replay equals the eager call (a
+different S sums in a different order: the same logits to rounding, not bitwise).
+bench/kernels/bench_moe_router.py measures it against the floor (E C x 4 bytes over the copy
+bandwidth): on the H200 5.9 us at one row (E = 256, C = 2048, k = 8) against 19.8 us for the
+torch sequence it replaced (bench/results/2026-12-01-h200/kernels/router.log).
 
 The shared expert as one more pair (``shared_gate=True``): w_router is ``[E + 1, C]``, its last row
 the shared expert's gate vector; kernel 1 computes its logit with the others, kernel 2 leaves it out
@@ -60,24 +69,47 @@ class RouterBlocks:
     block_e: int  # experts per program
     block_c: int  # C step
     num_warps: int = 4
+    num_splits: int = 1  # programs along C, each its own range of whole block_c steps (module docstring)
 
 
 def default_blocks(rows: int, num_experts: int, hidden: int) -> RouterBlocks:
-    """About 8K products in flight per program (64 fp32 registers a thread at 4 warps); more experts per
-    program as the rows grow, so x is re-read fewer times (E / block_e times) while W_router is read
-    ceil(N / block_n) times; the grid stays in the hundreds of programs for 132 SMs. From the H200
-    sweeps (bench/kernels/bench_moe_router.py, E = 256 / 512): two experts a program at one row; from
-    2 to 8 rows one expert a program over 16K products at 8 warps (at 8 rows 7.0 vs 8.6 us with two
-    over 4K, bench/results/2026-12-01-h200-perf3/router.log); eight past 16 (at 128 rows 30.7 vs
-    54.0 us with sixteen, 58.8 vs 107.6; at 32 rows eight was the best tried,
-    bench/results/2026-12-01-h200/kernels/router.json)."""
+    """About 8K products in flight per program at 4 warps, 16K at 8 (64 fp32 accumulator registers
+    a thread); the grid in the hundreds of programs or more for 132 SMs. Up to 8 rows, from the H200
+    sweeps (bench/kernels/bench_moe_router.py, E = 256 / 512), C unsplit: two experts a program at
+    one row; from 2 to 8 rows one expert a program over 16K products at 8 warps (at 8 rows 7.0 vs
+    8.6 us with two over 4K, bench/results/2026-12-01-h200-perf3/router.log). Past 8 rows, C split
+    (NOT yet measured on a GPU): 16 rows and 8 experts a program (eight was the best unsplit block_e
+    past 16 rows: at 128 rows 30.7 vs 54.0 us with sixteen, bench/results/2026-12-01-h200/kernels/
+    router.json), C steps of 128 at 8 warps, and as many splits as leave each program two steps:
+    8 at C = 2048, a grid of 33 x ceil(N / 16) x 8 programs at E = 257."""
     block_n = min(triton.next_power_of_2(max(rows, 1)), 16)
-    if 2 <= rows <= 8:
+    if rows > 8:
+        block_e = min(8, triton.next_power_of_2(num_experts))
+        block_c = min(128, triton.next_power_of_2(hidden))
+        steps = max(triton.cdiv(hidden, block_c), 1)
+        return RouterBlocks(block_n, block_e, block_c, num_warps=8, num_splits=triton.cdiv(steps, 2))
+    if rows >= 2:
         return RouterBlocks(block_n, 1, min(16384 // block_n, triton.next_power_of_2(hidden)), num_warps=8)
-    block_e = 2 if rows <= 8 else 4 if rows <= 16 else 8
-    block_e = min(block_e, triton.next_power_of_2(num_experts))
+    block_e = min(2, triton.next_power_of_2(num_experts))
     block_c = min(max(8192 // (block_n * block_e), 16), triton.next_power_of_2(hidden))
     return RouterBlocks(block_n, block_e, block_c)
+
+
+def split_c(blocks: RouterBlocks, hidden: int) -> int:
+    """The C range of one split: whole ``block_c`` steps, ``num_splits`` ranges covering C."""
+    steps = max(triton.cdiv(hidden, blocks.block_c), 1)
+    return blocks.block_c * triton.cdiv(steps, blocks.num_splits)
+
+
+def check_blocks(blocks: RouterBlocks, hidden: int) -> None:
+    """num_splits an int >= 1 with no split's C range empty (a program that would only write zeros)."""
+    splits = blocks.num_splits
+    if not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"blocks.num_splits {splits!r}: expected an int >= 1")
+    used = max(triton.cdiv(hidden, split_c(blocks, hidden)), 1)
+    if used != splits:
+        raise ValueError(f"blocks.num_splits {splits}: at C = {hidden} in steps of block_c {blocks.block_c}, "
+                         f"only {used} splits of whole steps cover C (the others would be empty)")
 
 
 def route_torch(x: Tensor, w_router: Tensor, top_k: int, *, shared_gate: bool = False) -> tuple[Tensor, Tensor]:
@@ -103,17 +135,20 @@ def route_torch(x: Tensor, w_router: Tensor, top_k: int, *, shared_gate: bool = 
 # -- Triton ---------------------------------------------------------------------------------------
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, rows, C: tl.constexpr, E: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
+def _router_logits_kernel(x_ptr, w_ptr, partials_ptr, rows, C: tl.constexpr, E: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+                          SPLIT_C: tl.constexpr):
     n_offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     e_offs = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    split = tl.program_id(2)
     in_n = n_offs < rows
     in_e = e_offs < E
     x_rows = x_ptr + n_offs.to(tl.int64) * C  # [BLOCK_N]
     w_rows = w_ptr + e_offs.to(tl.int64) * C  # [BLOCK_E]
+    c_begin = split * SPLIT_C  # this program's C range: [c_begin, c_begin + SPLIT_C), cut at C
     acc = tl.zeros([BLOCK_N, BLOCK_E, BLOCK_C], dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        c_offs = c0 + tl.arange(0, BLOCK_C)
+    for c0 in range(0, SPLIT_C, BLOCK_C):
+        c_offs = c_begin + c0 + tl.arange(0, BLOCK_C)
         in_c = c_offs < C
         xs = tl.load(x_rows[:, None] + c_offs[None, :], mask=in_n[:, None] & in_c[None, :],
                      other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_C]
@@ -121,18 +156,23 @@ def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, rows, C: tl.constexpr, E: tl
                      other=0.0)  # [BLOCK_E, BLOCK_C] fp32
         acc += xs[:, None, :] * ws[None, :, :]
     logits = tl.sum(acc, axis=2)  # [BLOCK_N, BLOCK_E], one reduction in a fixed order
-    tl.store(logits_ptr + n_offs[:, None].to(tl.int64) * E + e_offs[None, :], logits,
-             mask=in_n[:, None] & in_e[None, :])
+    out = partials_ptr + split.to(tl.int64) * rows * E  # partials [S, N, E]
+    tl.store(out + n_offs[:, None].to(tl.int64) * E + e_offs[None, :], logits, mask=in_n[:, None] & in_e[None, :])
 
 
 @triton.jit
-def _router_select_kernel(logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, TOP_K: tl.constexpr,
-                          E_PAD: tl.constexpr, K_PAD: tl.constexpr, ID_SPAN: tl.constexpr, SHARED: tl.constexpr):
+def _router_select_kernel(partials_ptr, weights_ptr, ids_ptr, split_stride, E: tl.constexpr, TOP_K: tl.constexpr,
+                          E_PAD: tl.constexpr, K_PAD: tl.constexpr, ID_SPAN: tl.constexpr, SHARED: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     e_offs = tl.arange(0, E_PAD)
     in_e = e_offs < E
-    row = logits_ptr + n * (E + SHARED)  # a shared gate's logit sits after the E routed ones
+    row = partials_ptr + n * (E + SHARED)  # split 0's; a shared gate's logit sits after the E routed ones
     logits = tl.load(row + e_offs, mask=in_e, other=float("-inf"))
+    part = row
+    for _ in tl.static_range(1, NUM_SPLITS):  # the partials in the fixed order 0, 1, ..., S - 1: reproducible
+        part += split_stride  # N (E + SHARED): the next split's row, a 64-bit pointer step
+        logits += tl.load(part + e_offs, mask=in_e, other=0.0)  # the padding stays -inf
     num = tl.exp(logits - tl.max(logits, axis=0))  # exp(-inf) = 0 in the padding
     probs = num / tl.sum(num, axis=0)
     # One max per round over a key ordering by (prob, then the lower id): a prob >= 0 orders as its
@@ -154,7 +194,12 @@ def _router_select_kernel(logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, TOP
     tl.store(weights_ptr + n * out_k + k_offs, top / total, mask=in_k)
     tl.store(ids_ptr + n * out_k + k_offs, ids, mask=in_k)
     if SHARED:
-        tl.store(weights_ptr + n * out_k + TOP_K, tl.sigmoid(tl.load(row + E)))
+        gate = tl.load(row + E)
+        part = row
+        for _ in tl.static_range(1, NUM_SPLITS):  # the same order as the routed logits
+            part += split_stride
+            gate += tl.load(part + E)
+        tl.store(weights_ptr + n * out_k + TOP_K, tl.sigmoid(gate))
         tl.store(ids_ptr + n * out_k + TOP_K, tl.full([], E, tl.int64))
 
 
@@ -180,32 +225,38 @@ def route_triton(x: Tensor, w_router: Tensor, top_k: int, *, shared_gate: bool =
     w_router ``[E, C]`` fp32 (``[E + 1, C]`` with ``shared_gate``); returns ``(expert_ids [N, k]
     int64, weights [N, k] fp32)`` (``k + 1`` columns with ``shared_gate``).
 
-    ``blocks`` defaults to :func:`default_blocks`; ``logits`` (fp32 ``[N, E (+ 1)]``) is the scratch
-    to write instead of a fresh one (the tests poison it).
+    ``blocks`` defaults to :func:`default_blocks`; ``logits`` (fp32 ``[S, N, E (+ 1)]``, S =
+    ``blocks.num_splits``; ``[N, E (+ 1)]`` also at S = 1) is the partial-logits scratch to write
+    instead of a fresh one (the tests poison it).
     """
     check_route_inputs(x, w_router, top_k, shared_gate)
     rows, hidden = x.shape
     num_logits = w_router.shape[0]
     num_experts = num_logits - int(shared_gate)
     blocks = default_blocks(rows, num_logits, hidden) if blocks is None else blocks
+    check_blocks(blocks, hidden)
+    splits = blocks.num_splits
+    shape = (splits, rows, num_logits)
     if logits is None:
-        logits = torch.empty((rows, num_logits), dtype=torch.float32, device=x.device)
-    elif (logits.shape != (rows, num_logits) or logits.dtype != torch.float32 or not logits.is_contiguous()
-          or logits.device != x.device):
+        logits = torch.empty(shape, dtype=torch.float32, device=x.device)
+    elif ((logits.shape != shape and not (splits == 1 and logits.shape == shape[1:]))
+          or logits.dtype != torch.float32 or not logits.is_contiguous() or logits.device != x.device):
+        one = f" (or [{rows}, {num_logits}])" if splits == 1 else ""
         raise ValueError(f"logits {list(logits.shape)} {logits.dtype} on {logits.device}: expected contiguous "
-                         f"fp32 [{rows}, {num_logits}] on {x.device}")
+                         f"fp32 [{splits}, {rows}, {num_logits}]{one} on {x.device} (blocks.num_splits {splits})")
     out_k = top_k + int(shared_gate)
     expert_ids = torch.empty((rows, out_k), dtype=torch.int64, device=x.device)
     weights = torch.empty((rows, out_k), dtype=torch.float32, device=x.device)
     if rows == 0:
         return expert_ids, weights
     x, w_router = x.contiguous(), w_router.contiguous()  # the model's are already
-    _router_logits_kernel[(triton.cdiv(num_logits, blocks.block_e), triton.cdiv(rows, blocks.block_n))](
+    grid = (triton.cdiv(num_logits, blocks.block_e), triton.cdiv(rows, blocks.block_n), splits)
+    _router_logits_kernel[grid](
         x, w_router, logits, rows, C=hidden, E=num_logits, BLOCK_N=blocks.block_n, BLOCK_E=blocks.block_e,
-        BLOCK_C=blocks.block_c, num_warps=blocks.num_warps)
+        BLOCK_C=blocks.block_c, SPLIT_C=split_c(blocks, hidden), num_warps=blocks.num_warps)
     e_pad = triton.next_power_of_2(num_experts)
     _router_select_kernel[(rows,)](
-        logits, weights, expert_ids, E=num_experts, TOP_K=top_k, E_PAD=e_pad,
-        K_PAD=triton.next_power_of_2(top_k), ID_SPAN=e_pad, SHARED=int(shared_gate),
+        logits, weights, expert_ids, rows * num_logits, E=num_experts, TOP_K=top_k, E_PAD=e_pad,
+        K_PAD=triton.next_power_of_2(top_k), ID_SPAN=e_pad, SHARED=int(shared_gate), NUM_SPLITS=splits,
         num_warps=1 if e_pad <= 512 else 2)  # within one warp the k rounds of reductions are shuffles only
     return expert_ids, weights

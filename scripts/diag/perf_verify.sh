@@ -1,6 +1,7 @@
 # The checking device call of a perf round on issue 8 (carry .whl): the GPU tests of the step path and
 # the MoE kernels, ft bench at one shape (SHAPE, RUNS, SIM: the seed's tokens per verify step), and a
-# host/device timeline of that shape's steps (scripts/diag/step_trace.py). At most 8 files land in $OUT.
+# host/device timeline of that shape's steps (scripts/diag/step_trace.py; TRACE_MODE=host-split for the
+# host's parts without a profiler; TRACES= for none). At most 8 files land in $OUT.
 set -u
 SKIP_CONFORMANCE=1 SKIP_KERNELS=1 SKIP_BENCH=1 bash scripts/gpu_check.sh > /dev/null 2>&1   # setup only: /tmp/pkg, /tmp/site
 export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -17,9 +18,9 @@ timeout "${BENCH_S:-240}" python3 -m dflash2.fast bench --model bench/shapes/$sh
   --simulate-tokens-per-step ${SIM:-5.39} --out /tmp/bench > /tmp/bench.log 2>&1
 echo "bench rc $?"; cp /tmp/bench/bench.md $OUT/bench-$shape.md; cp /tmp/bench/bench.json $OUT/bench-$shape.json
 grep -E "^\| (off|dflash|mtp)" /tmp/bench/bench.md || tail -5 /tmp/bench.log
-for spec in ${TRACES:-"dflash7 4096 64" "off 512 32"}; do
+for spec in ${TRACES-"dflash7 4096 64" "off 512 32"}; do
   set -- $spec
   timeout 120 python3 scripts/diag/step_trace.py --model bench/shapes/$shape --draft bench/shapes/$shape-dflash2 \
-    --setting $1 --prompt-len $2 --timeline $3 --list 0 > $OUT/trace-$shape-$1.txt 2>&1
-  echo "trace $1 rc $?"; grep -E "^== " $OUT/trace-$shape-$1.txt; grep -A10 "^== timeline" $OUT/trace-$shape-$1.txt | tail -10
+    --setting $1 --prompt-len $2 --${TRACE_MODE:-timeline} $3 --list 0 > $OUT/trace-$shape-$1.txt 2>&1
+  echo "trace $1 rc $?"; grep -E "^== " $OUT/trace-$shape-$1.txt; grep -A10 -E "^== (timeline|host split)" $OUT/trace-$shape-$1.txt | tail -10
 done

@@ -12,7 +12,9 @@ gaps between kernels), the kernel count, a table by kernel name, and the first `
 in launch order; ``--host-profile N`` adds a cProfile of an N-token generate and the runner's step times;
 ``--timeline N`` profiles an N-token generate (host and device) and splits each runner step's wall time
 into the host's lead before its first kernel, the GPU's span (kernels busy, gaps) and the tail after
-the last kernel, with the host calls of the lead.
+the last kernel, with the host calls of the lead; ``--host-split N`` times (perf_counter, no
+profiler) the host's parts of each graphed step of an N-token generate: before the fill, the fill,
+the upload, the first graph's launch, the other launches, and the wait for the device read.
 """
 
 from __future__ import annotations
@@ -153,6 +155,73 @@ def timeline(llm, prompt: list[int], tokens: int, kind: str) -> None:
         print(f"  {us:9.1f}  {name[:110]}")
 
 
+def host_split(llm, prompt: list[int], tokens: int, kind: str) -> None:
+    """Where a graphed step's host time goes, without a profiler's overhead: perf_counter marks around
+    ``fill_batch``, ``StaticInputs.upload`` and each graph's ``replay`` of ``kind`` steps; medians."""
+    import time
+
+    from dflash2.fast.engine import graphs as graphs_module
+
+    runner = llm.engine.runner
+    marks: list[tuple[str, float]] = []
+    patched = []
+
+    def patch(owner, name, wrapper):
+        patched.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, wrapper(getattr(owner, name)))
+
+    def around(label):
+        def wrapper(fn):
+            def call(*a, **kw):
+                marks.append((label + " start", time.perf_counter()))
+                out = fn(*a, **kw)
+                marks.append((label + " end", time.perf_counter()))
+                return out
+            return call
+        return wrapper
+
+    eager_replay = graphs_module.CapturedStep.replay
+
+    def replay(self):
+        if not self.graphs:  # a CPU run: the step function itself, marked as one launch
+            out = eager_replay(self)
+            marks.append(("launch 0", time.perf_counter()))
+            return out
+        for i, graph in enumerate(self.graphs):
+            graph.replay()
+            marks.append((f"launch {i}", time.perf_counter()))
+        return self.out
+
+    patch(graphs_module, "fill_batch", around("fill"))
+    patch(graphs_module.StaticInputs, "upload", around("upload"))
+    patch(graphs_module.CapturedStep, "replay", lambda _: replay)
+    patch(runner, kind, around("step"))
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], params)
+    marks.clear()
+    llm.generate([prompt], params)
+    for owner, name, fn in reversed(patched):
+        setattr(owner, name, fn)
+    parts = collections.defaultdict(list)
+    step: dict[str, float] = {}
+    for label, t in marks:
+        step[label] = t
+        if label != "step end":
+            continue
+        if "launch 0" in step and "fill start" in step:
+            last = max(v for k, v in step.items() if k.startswith("launch"))
+            for name, a, b in (("before the fill", "step start", "fill start"), ("fill_batch", "fill start", "fill end"),
+                               ("fill_per_request", "fill end", "upload start"),
+                               ("upload", "upload start", "upload end"), ("first launch", "upload end", "launch 0"),
+                               ("other launches", "launch 0", None), ("device wait + read", None, "step end")):
+                parts[name].append(1e6 * ((last if b is None else step[b]) - (last if a is None else step[a])))
+            parts["wall"].append(1e6 * (step["step end"] - step["step start"]))
+        step = {}
+    print(f"\n== host split of {len(parts['wall'])} graphed {kind} steps (median us):")
+    for name, values in parts.items():
+        print(f"  {sorted(values)[len(values) // 2]:9.1f}  {name}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -164,6 +233,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--host-profile", type=int, default=0, help="also cProfile a generate of this many tokens")
     p.add_argument("--timeline", type=int, default=0, help="also split the steps of a generate of this many tokens")
+    p.add_argument("--host-split", type=int, default=0, help="also time the host's parts of such steps")
     args = p.parse_args()
     algorithm, k = SETTINGS[args.setting]
     llm = LLM(args.model, max_running_req=1, load_format="dummy", seed=0, speculative_algorithm=algorithm,
@@ -196,6 +266,8 @@ def main() -> int:
         host_profile(llm, prompt, args.host_profile)
     if args.timeline:
         timeline(llm, prompt, args.timeline, "decode" if algorithm == "none" else "verify")
+    if args.host_split:
+        host_split(llm, prompt, args.host_split, "decode" if algorithm == "none" else "verify")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f)
