@@ -16,8 +16,9 @@ empty). Its product tile ``[block_n, block_e, block_c]`` is accumulated element-
 and reduced once, in a fixed order, into the partial logits ``P[s] = x[:, range_s] W[:, range_s]^T``
 of an fp32 scratch ``[S, N, E]``. Why split C: each C step of a program is a dependent round of
 loads, so a program walking all of C is latency-bound however few bytes it reads (unsplit, 32 rows
-took 32.5 us against a 0.5 us floor: 66 programs of 32 steps, about a microsecond a step); split,
-the grid has hundreds of programs or more of one or two steps each. At N = 1
+took 32.5 us against a 0.5 us floor: 66 programs of 32 steps, about a microsecond a step); split in
+two (the default past 8 rows) it took 14.6 us, while splits of one or two steps each lost to the
+extra partials at 128 rows (:func:`default_blocks`). At N = 1
 ``block_e`` = 2 and S = 1 spread the matrix over E / 2 programs (128 at E = 256), each loading its
 16 KiB in one or two steps. W_router is read once per block of rows (ceil(N / block_n) times, from
 L2 after the first). Kernel 2, one program per row: the logits are the sum of the S partials
@@ -74,20 +75,20 @@ class RouterBlocks:
 
 def default_blocks(rows: int, num_experts: int, hidden: int) -> RouterBlocks:
     """About 8K products in flight per program at 4 warps, 16K at 8 (64 fp32 accumulator registers
-    a thread); the grid in the hundreds of programs or more for 132 SMs. Up to 8 rows, from the H200
-    sweeps (bench/kernels/bench_moe_router.py, E = 256 / 512), C unsplit: two experts a program at
-    one row; from 2 to 8 rows one expert a program over 16K products at 8 warps (at 8 rows 7.0 vs
-    8.6 us with two over 4K, bench/results/2026-12-01-h200-perf3/router.log). Past 8 rows, C split
-    (NOT yet measured on a GPU): 16 rows and 8 experts a program (eight was the best unsplit block_e
-    past 16 rows: at 128 rows 30.7 vs 54.0 us with sixteen, bench/results/2026-12-01-h200/kernels/
-    router.json), C steps of 128 at 8 warps, and as many splits as leave each program two steps:
-    8 at C = 2048, a grid of 33 x ceil(N / 16) x 8 programs at E = 257."""
+    a thread); the grid in the hundreds of programs for 132 SMs. From the H200 sweeps
+    (bench/kernels/bench_moe_router.py, E = 256 / 512, per layer): C unsplit up to 8 rows, two experts
+    a program at one row and, from 2 to 8 rows, one expert a program over 16K products at 8 warps (at
+    8 rows 7.0 vs 8.6 us with two over 4K, bench/results/2026-12-01-h200-perf3/router.log). Past 8
+    rows 16 rows and 8 experts a program in C steps of 128 at 8 warps, C split in two: at E = 256 14.6
+    us at 32 rows and 26.3 at 128 (33.9 and 31.2 unsplit in 64-wide steps at 4 warps; 8 splits of two
+    steps each were worse at 128 rows, 46.6), at E = 512 25.0 and 67.6 (the best and second best
+    tried; perf3/router.json)."""
     block_n = min(triton.next_power_of_2(max(rows, 1)), 16)
     if rows > 8:
         block_e = min(8, triton.next_power_of_2(num_experts))
         block_c = min(128, triton.next_power_of_2(hidden))
         steps = max(triton.cdiv(hidden, block_c), 1)
-        return RouterBlocks(block_n, block_e, block_c, num_warps=8, num_splits=triton.cdiv(steps, 2))
+        return RouterBlocks(block_n, block_e, block_c, num_warps=8, num_splits=min(2, steps))
     if rows >= 2:
         return RouterBlocks(block_n, 1, min(16384 // block_n, triton.next_power_of_2(hidden)), num_warps=8)
     block_e = min(2, triton.next_power_of_2(num_experts))
