@@ -10,15 +10,16 @@ step shape is captured once (as a few CUDA graphs, below) and replayed:
   ``commit_verify`` -> observe, as one capture (``ModelRunner.verify_step_fn`` builds it), greedy and
   sampled alike (the key carries the batch's sampling summary, which fixes the filter's launches).
 
-A capture is a few CUDA graphs replayed back to back, cut between stages and layer groups
-(fast/model/capture.py), so the host's launch of one overlaps the GPU's run of the one before.
+A capture is a few CUDA graphs replayed back to back, cut between stages and between layers (two
+short graphs first, then layer groups: fast/model/capture.py), so the host's launch of one overlaps
+the GPU's run of the one before.
 
 Keys: ``(B bucket, rows per sequence R, page-table width bucket P, is_verify)``; the B bucket is the
 smallest of 1, 2, 4, 8, ... (capped at max_running_req) that holds the batch, the P bucket the next
 power of two of the pages any sequence needs (at least MIN_PAGES, capped at the model's maximum).
 
 Each graph owns static inputs (:class:`StaticInputs`): named int64 and fp32 fields that the host
-fills in two pinned buffers and uploads with one non-blocking copy each. The ForwardBatch fields
+fills (numpy) in two pinned buffers and uploads with one non-blocking copy each. The ForwardBatch fields
 (positions, cu_seqlens, state slots, K/V slots, page tables, context lengths, logits rows) follow
 ``fast/model/batch.py``'s padding: padding sequences have R rows each, state slot and K/V slots
 ``PAD_SLOT`` (they read the zero state, write the trash slot and row), no pages and context length
@@ -202,7 +203,7 @@ class CapturedStep:
     """``fn(views)`` captured once over ``inputs`` (all padding when captured); ``replay`` reruns it.
 
     The capture is cut into several graphs where ``fn`` calls ``fast/model/capture.graph_cut`` (the
-    target between layer groups, a speculative step between its stages): replayed back to back,
+    target and the draft at ``capture.layer_cuts``, a speculative step between its stages): replayed back to back,
     each graph's host launch overlaps the GPU's run of the one before (that module's docstring).
     On a CPU device nothing is captured and ``replay`` calls ``fn`` on the static fields: the same
     buffers and padding, so the CPU lane tests everything here but the capture itself.
