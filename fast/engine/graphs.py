@@ -81,8 +81,9 @@ def page_bucket(pages: int, max_pages: int) -> int:
     return min(width, max_pages)
 
 
-def kv_slot_mapping(tables: Tensor, seq: Tensor, positions: Tensor, page_size: int) -> Tensor:
-    """Flat K/V slot of each row: page ``tables[seq, p // page_size]``, offset ``p % page_size``  # [N]."""
+def kv_slot_mapping(tables, seq, positions, page_size: int):
+    """Flat K/V slot of each row: page ``tables[seq, p // page_size]``, offset ``p % page_size``  # [N].
+    Tensors (the eager batch) or numpy arrays (the graphs' host fill) alike."""
     return tables[seq, positions // page_size] * page_size + positions % page_size
 
 
@@ -164,7 +165,7 @@ def fill_batch(host: dict[str, np.ndarray], key: GraphKey, *, starts: Sequence[i
     host["kv_slot_mapping"][:] = PAD_SLOT
     if num_seqs:
         seq = np.repeat(np.arange(num_seqs), r)
-        host["kv_slot_mapping"][:n_real] = table[seq, positions // page_size] * page_size + positions % page_size
+        host["kv_slot_mapping"][:n_real] = kv_slot_mapping(table, seq, positions, page_size)
     host["context_lens"][:] = 0
     host["context_lens"][:num_seqs] = starts + r
     logits_rows = np.asarray(logits_rows, dtype=np.int64)

@@ -59,7 +59,7 @@ def default_blocks(rows: int) -> MoEBlocks:
     pipeline (23.4 vs 27.7 us, bench/results/2026-12-01-h200/kernels/bench_moe.log); from 2 rows on, I
     tiles of 64 (half the programs and half the partials of 32-wide tiles), with a 4-stage pipeline
     from 5 rows (a verify of k = 7 is 8): 56.6 vs 65.7 us at 4 rows, 100.6 vs 116.5 at 8
-    (bench/results/2026-12-01-h200-perf3/bench_moe.log); 64-pair chunks past 128 rows."""
+    (bench/results/2026-12-01-h200-perf3/call1-bench_moe.log); 64-pair chunks past 128 rows."""
     if rows == 1:
         return MoEBlocks(block_c=256, num_stages=4)
     if rows <= 4:

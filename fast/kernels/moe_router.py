@@ -78,11 +78,11 @@ def default_blocks(rows: int, num_experts: int, hidden: int) -> RouterBlocks:
     a thread); the grid in the hundreds of programs for 132 SMs. From the H200 sweeps
     (bench/kernels/bench_moe_router.py, E = 256 / 512, per layer): C unsplit up to 8 rows, two experts
     a program at one row and, from 2 to 8 rows, one expert a program over 16K products at 8 warps (at
-    8 rows 7.0 vs 8.6 us with two over 4K, bench/results/2026-12-01-h200-perf3/router.log). Past 8
+    8 rows 7.0 vs 8.6 us with two over 4K, bench/results/2026-12-01-h200-perf3/call1-router.log). Past 8
     rows 16 rows and 8 experts a program in C steps of 128 at 8 warps, C split in two: at E = 256 14.6
     us at 32 rows and 26.3 at 128 (33.9 and 31.2 unsplit in 64-wide steps at 4 warps; 8 splits of two
     steps each were worse at 128 rows, 46.6), at E = 512 25.0 and 67.6 (the best and second best
-    tried; perf3/router.json)."""
+    tried; perf3/call3-router.json)."""
     block_n = min(triton.next_power_of_2(max(rows, 1)), 16)
     if rows > 8:
         block_e = min(8, triton.next_power_of_2(num_experts))
