@@ -139,8 +139,9 @@ def run_sweep(model: str, batch: int, rows: int, context: int, gen: torch.Genera
     splits = sorted(s for s in {32, 64, 128, 256, 512, 1024, 4096, max_context}
                     if s <= max_context and s % default.block_n == 0)  # max_context itself: one split, no merge
     configs = [dict(split_len=s) for s in splits]
-    if wide:
-        configs += [dict(block_n=bn, num_warps=w) for bn in (16, 32, 64) for w in (4, 8)]
+    if wide:  # every tile x warps pair at the splits a verify tile can use (none shorter than block_n)
+        configs += [dict(split_len=s, block_n=bn, num_warps=w) for s in (64, 128, 256) for bn in (16, 32, 64)
+                    for w in (4, 8) if s >= bn and s <= max_context]
     out = []
     for cfg in configs:
         fn = lambda: paged_attention_triton(q, k, v, meta, **cfg)  # noqa: E731
@@ -158,20 +159,27 @@ def run_sweep(model: str, batch: int, rows: int, context: int, gen: torch.Genera
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="where to write the JSON results")
-    parser.add_argument("--sweep", action="store_true", help="also sweep block_n x num_warps (more compiles)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also sweep split_len x block_n x num_warps (more compiles)")
+    parser.add_argument("--sweep-shapes", default=None,
+                        help="model:batch:rows:context,... to sweep instead of the default four")
+    parser.add_argument("--sweep-only", action="store_true", help="skip the table of shapes; sweep only")
     args = parser.parse_args()
+    sweep_shapes = SWEEP_SHAPES if args.sweep_shapes is None else [
+        (m, int(b), int(r), int(c)) for m, b, r, c in (spec.split(":") for spec in args.sweep_shapes.split(","))]
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     bw = copy_bandwidth()
     rows = []
-    for shape in SHAPES:
+    for shape in [] if args.sweep_only else SHAPES:
         rows.append(run_shape(*shape, gen, bw))
         torch.cuda.empty_cache()
-    sweep = [r for shape in SWEEP_SHAPES for r in run_sweep(*shape, gen, bw, args.sweep)]
+    sweep = [r for shape in sweep_shapes for r in run_sweep(*shape, gen, bw, args.sweep)]
     result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "copy_bandwidth": bw, "nominal_bandwidth": NOMINAL_BW,
-              "page_size": PAGE_SIZE, "shapes": rows, "sweep": sweep, "all_ok": all(r["ok"] for r in rows),
+              "page_size": PAGE_SIZE, "shapes": rows, "sweep": sweep,
+              "all_ok": all(r["ok"] for r in rows) and all(r["err_vs_torch"] <= BF16_BOUND for r in sweep),
               "seconds": time.perf_counter() - start}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

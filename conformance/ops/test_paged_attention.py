@@ -157,12 +157,12 @@ def test_paged_attention_matches_reference(impl_device, report, shape):
     (1, 2, 4096, 16), (1, 2, 4096, 64), (1, 4, 32768, 64), (4, 2, 512, 16), (16, 4, 512, 64), (16, 4, 4096, 16)])
 def test_split_plan_fills_one_wave_and_bounds_partials(monkeypatch, num_seqs, kv_heads, context, tile_rows):
     """On 132 SMs (H200): at most PROGRAMS_PER_SM programs per SM, at least half that many unless a
-    split's floor (MIN_SPLIT_LEN, 2 x tile rows, one chunk) stops it; a power of two."""
+    split's floor (MIN_SPLIT_LEN, the tile rows, one chunk) stops it; a power of two."""
     monkeypatch.setattr(kernel_module, "_sm_count", lambda device: 132)
     split = kernel_module.plan_splits(num_seqs, kv_heads, context, tile_rows, 32, torch.device("cpu"))
     programs = num_seqs * kv_heads * -(-context // split)
     target = kernel_module.PROGRAMS_PER_SM * 132
-    floor = max(32, kernel_module.MIN_SPLIT_LEN, 2 * tile_rows)
+    floor = max(32, kernel_module.MIN_SPLIT_LEN, tile_rows)
     assert split & (split - 1) == 0 and split >= floor
     assert programs <= max(target, num_seqs * kv_heads)
     assert programs > target // 2 or split == floor or split >= context

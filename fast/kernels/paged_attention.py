@@ -94,12 +94,15 @@ def plan_splits(num_seqs: int, kv_heads: int, max_context: int, tile_rows: int, 
     """``split_len``: keys per program, a power of two >= ``block_n``.
 
     About ``PROGRAMS_PER_SM * SMs`` programs over ``num_seqs * kv_heads`` (sequence, KV head)
-    pairs, but no fewer than ``MIN_SPLIT_LEN`` and ``2 * tile_rows`` keys per split, so that a split's partial output
-    (``tile_rows * D`` fp32) is at most half the bf16 K/V it reads (and stays in L2 for the merge).
+    pairs, but no fewer than ``MIN_SPLIT_LEN`` and ``tile_rows`` keys per split, so that a split's partial
+    output (``tile_rows * D`` fp32) is at most the bf16 K/V it reads (and stays in L2 for the merge).
+    The bound was ``2 * tile_rows`` until the H200 sweep at verify tiles (64 rows: 8 rows x G = 8 or 6,
+    D = 256; bench/results/2026-12-01-h200-perf4/call2-pa_sweep.log): one request at 4096 keys ran
+    20.1 us with 64-key splits against 22.9 with 128 (35B-A3B), 23.2 against 25.5 (27B), both at 4 warps.
     Host-side ints only.
     """
     wanted = max(1, PROGRAMS_PER_SM * _sm_count(device) // max(1, num_seqs * kv_heads))
-    return max(block_n, MIN_SPLIT_LEN, _pow2(2 * tile_rows), _pow2(-(-max_context // wanted)))
+    return max(block_n, MIN_SPLIT_LEN, _pow2(tile_rows), _pow2(-(-max_context // wanted)))
 
 
 @dataclass(frozen=True)
@@ -126,8 +129,11 @@ def launch_plan(num_seqs: int, heads: int, kv_heads: int, dim: int, max_query_le
         split_len = plan_splits(num_seqs, kv_heads, max_context, m_pad, block_n, device)
     if split_len < block_n or split_len % block_n:
         raise ValueError(f"split_len={split_len}: expected a positive multiple of block_n={block_n}")
-    if num_warps is None:  # about 64 fp32 accumulator registers per thread
-        num_warps = max(4, min(16, m_pad * d_pad // (32 * 64)))
+    if num_warps is None:
+        # tiles of up to 64 rows (decode, and a k = 7 verify of G <= 8) at 4 warps: the sweep's best at
+        # 64 x 256 (call2-pa_sweep.log: 35.3 vs 51.1 us at 4 requests x 8 rows, 35B-A3B); larger tiles
+        # keep about 64 fp32 accumulator registers per thread
+        num_warps = 4 if m_pad <= 64 else min(16, m_pad * d_pad // (32 * 64))
     return LaunchPlan(d_pad, m_pad, block_n, split_len, max(1, -(-max_context // split_len)), num_warps)
 
 
