@@ -12,6 +12,7 @@ import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
 from dflash2.fast.kernels.philox import seeds_tensor
+from dflash2.fast.kernels import selector as selector_module
 from dflash2.fast.kernels.selector import select_torch, select_triton
 from dflash2.reference.model.draft import DraftBlockOutput
 from dflash2.reference.speculative.selector import CandidateSelector, select, selector_uniforms
@@ -77,9 +78,13 @@ CONFIGS = [  # B, S, V, C, r, K_sel, k
 ]
 
 
+@pytest.mark.parametrize("merge_blocks", [16, 1], ids=["one-merge", "two-level-merge"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"B{c[0]}-S{c[1]}-V{c[2]}-K{c[5]}-k{c[6]}")
-def test_select_matches_reference(impl_device, report, config):
+def test_select_matches_reference(impl_device, report, config, merge_blocks, monkeypatch):
     impl, device = impl_device
+    if merge_blocks != selector_module.MERGE_BLOCKS and impl != "triton":
+        pytest.skip("the merge levels are the Triton form's")
+    monkeypatch.setattr(selector_module, "MERGE_BLOCKS", merge_blocks)  # 1: every case (2-4 blocks) merges in two levels
     batch, block, vocab, hidden_size, rank, top_k, k = config
     case = make_case(batch, block, vocab, hidden_size, rank, top_k, seed=vocab)
     kwargs = {"block_v": 32} if impl == "triton" else {}  # several vocabulary blocks to merge

@@ -15,8 +15,10 @@ Two implementations with one result type (``SelectorBatch``):
   slots, which depend on each other). With ``all_greedy`` (the host knows every request is greedy)
   the walk skips the softmax and the keyed draws: the same picks, one-hot q.
 - ``select_triton``: three kernels. (1) block top-K: each program takes BLOCK_V logits of one row
-  and extracts its K_sel best in (logit desc, id asc) order; (2) merge: one program per row picks
-  the K_sel best of the block winners (equal logits come out in block order, which is id order);
+  and extracts its K_sel best in (logit desc, id asc) order; (2) merge: programs pick the K_sel best
+  of the block winners (equal logits come out in block order, which is id order), in two levels past
+  ``MERGE_BLOCKS`` blocks (groups of blocks in parallel, then one program per row over the groups'
+  winners, which are again in id order for equal logits);
   (3) walk: one program per request runs the k slots on [K_sel, r] tiles, with the keyed draw.
   g = h P^T is one GEMM before the walk (torch).
 """
@@ -35,6 +37,10 @@ from .sampler import draw_torch
 from .triton_compat import tl, triton, use_triton
 
 _SELECTOR = tl.constexpr(int(Purpose.SELECTOR))
+# blocks whose winners one program of the first merge level takes: 16 x 16 = 256 entries, so the
+# released vocabulary (243 blocks of 1024) merges as 16 + 1 programs per row instead of one program
+# walking 4096 entries 16 times (39.5 us for 7 rows on an H200, perf3 call 2's trace)
+MERGE_BLOCKS = 16
 
 
 @dataclass(frozen=True)
@@ -139,25 +145,30 @@ def _block_topk_kernel(logits_ptr, stride_b, stride_i, out_val_ptr, out_pos_ptr,
 
 @triton.jit
 def _merge_topk_kernel(val_ptr, id_ptr, cand_ptr, unary_ptr, KSEL: tl.constexpr, KSEL_PAD: tl.constexpr,
-                       VOCAB: tl.constexpr, ENTRIES_PAD: tl.constexpr, ENTRIES: tl.constexpr):
+                       VOCAB: tl.constexpr, ENTRIES: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr):
+    """Program (row, g): the KSEL best of the row's entries g*GROUP .. (g+1)*GROUP-1 (of ENTRIES), written at
+    ``(row * groups + g) * KSEL``; a pick with nothing left gets id VOCAB and -inf (which a later merge skips)."""
     row = tl.program_id(0)
-    lanes = tl.arange(0, ENTRIES_PAD)
-    avail = lanes < ENTRIES
-    v = tl.load(val_ptr + row * ENTRIES + lanes, mask=avail, other=-float("inf"))
-    ids = tl.load(id_ptr + row * ENTRIES + lanes, mask=avail, other=VOCAB)
+    group = tl.program_id(1)
+    lanes = tl.arange(0, GROUP_PAD)
+    entry = group * GROUP + lanes
+    avail = (lanes < GROUP) & (entry < ENTRIES)
+    v = tl.load(val_ptr + row * ENTRIES + entry, mask=avail, other=-float("inf"))
+    ids = tl.load(id_ptr + row * ENTRIES + entry, mask=avail, other=VOCAB)
     avail = avail & (ids < VOCAB)
     out_lanes = tl.arange(0, KSEL_PAD)
-    cand = tl.zeros([KSEL_PAD], dtype=tl.int32)
+    cand = tl.zeros([KSEL_PAD], dtype=tl.int64)
     unary = tl.zeros([KSEL_PAD], dtype=tl.float32)
     for j in tl.static_range(KSEL):
         m = tl.max(tl.where(avail, v, -float("inf")), axis=0)
-        pos = tl.min(tl.where(avail & (v == m), lanes, ENTRIES_PAD), axis=0)
-        chosen = tl.sum(tl.where(lanes == pos, ids, 0), axis=0)
+        pos = tl.min(tl.where(avail & (v == m), lanes, GROUP_PAD), axis=0)  # equal values: the lowest entry
+        chosen = tl.where(pos < GROUP_PAD, tl.sum(tl.where(lanes == pos, ids, 0).to(tl.int64), axis=0), VOCAB)
         cand = tl.where(out_lanes == j, chosen, cand)
         unary = tl.where(out_lanes == j, m, unary)
         avail = avail & (lanes != pos)
-    tl.store(cand_ptr + row * KSEL + out_lanes, cand.to(tl.int64), mask=out_lanes < KSEL)
-    tl.store(unary_ptr + row * KSEL + out_lanes, unary, mask=out_lanes < KSEL)
+    out = (row * tl.num_programs(1) + group) * KSEL + out_lanes
+    tl.store(cand_ptr + out, cand, mask=out_lanes < KSEL)
+    tl.store(unary_ptr + out, unary, mask=out_lanes < KSEL)
 
 
 @triton.jit
@@ -229,8 +240,17 @@ def select_triton(draft_logits: Tensor, hidden: Tensor, projection: Tensor, pred
                                            KSEL=top_k, KSEL_PAD=ksel_pad, VOCAB=vocab, BLOCK_V=block_v,
                                            NUM_BLOCKS=num_blocks)
     entries = num_blocks * ksel_pad
-    _merge_topk_kernel[(rows,)](part_val, part_id, cand_ids, unary, KSEL=top_k, KSEL_PAD=ksel_pad, VOCAB=vocab,
-                                ENTRIES_PAD=triton.next_power_of_2(entries), ENTRIES=entries)
+    if num_blocks > MERGE_BLOCKS:  # two levels: groups of MERGE_BLOCKS blocks in parallel, then their winners
+        group = MERGE_BLOCKS * ksel_pad
+        groups = triton.cdiv(entries, group)
+        group_val = torch.empty((rows, groups, top_k), dtype=torch.float32, device=device)
+        group_id = torch.empty((rows, groups, top_k), dtype=torch.int64, device=device)
+        _merge_topk_kernel[(rows, groups)](part_val, part_id, group_id, group_val, KSEL=top_k, KSEL_PAD=ksel_pad,
+                                           VOCAB=vocab, ENTRIES=entries, GROUP=group,
+                                           GROUP_PAD=triton.next_power_of_2(group))
+        part_val, part_id, entries = group_val, group_id, groups * top_k
+    _merge_topk_kernel[(rows, 1)](part_val, part_id, cand_ids, unary, KSEL=top_k, KSEL_PAD=ksel_pad, VOCAB=vocab,
+                                  ENTRIES=entries, GROUP=entries, GROUP_PAD=triton.next_power_of_2(entries))
     projected = (hidden[:, 1:k + 1].float() @ projection.float().T).contiguous()  # [B, k, r]
     _walk_kernel[(batch,)](cand_ids, unary, projected, predecessor_codebook.contiguous(),
                            successor_codebook.contiguous(), anchor_tokens.to(torch.int64).contiguous(),
