@@ -39,7 +39,7 @@ rounding, since GEMM kernels are chosen by row count.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,10 +104,11 @@ class StaticInputs:
     step's critical path, kept the GPU waiting (bench/results/2026-12-01-h200-perf3/).
     """
 
-    def __init__(self, int_fields: dict[str, int], float_fields: dict[str, int], device: torch.device):
+    def __init__(self, int_fields: dict[str, int], float_fields: dict[str, int], device: torch.device,
+                 early: Collection[str] = ()):
         self.views: dict[str, Tensor] = {}
         self.host: dict[str, np.ndarray] = {}
-        self._pairs = []
+        self._pairs = []  # (device buffer, pinned host buffer, elements of the early fields at its start)
         cuda = device.type == "cuda"
         for dtype, fields in ((torch.long, int_fields), (torch.float32, float_fields)):
             size = sum(fields.values())
@@ -115,10 +116,11 @@ class StaticInputs:
             host_buf = torch.zeros(size, dtype=dtype, pin_memory=cuda)
             host_np = host_buf.numpy()
             start = 0
-            for name, n in fields.items():
+            ordered = sorted(fields.items(), key=lambda item: item[0] not in early)  # the early fields first
+            for name, n in ordered:
                 self.views[name], self.host[name] = device_buf[start:start + n], host_np[start:start + n]
                 start += n
-            self._pairs.append((device_buf, host_buf))
+            self._pairs.append((device_buf, host_buf, sum(n for name, n in fields.items() if name in early)))
         self._uploaded = torch.cuda.Event() if cuda else None
 
     def begin_fill(self) -> dict[str, np.ndarray]:
@@ -127,9 +129,14 @@ class StaticInputs:
             self._uploaded.synchronize()
         return self.host
 
-    def upload(self) -> None:
-        for device_buf, host_buf in self._pairs:
-            device_buf.copy_(host_buf, non_blocking=True)
+    def upload(self, part: str = "all") -> None:
+        """Copy the host fields to the device: ``"all"``, or the ``"early"`` fields (a step's first
+        graphs read only those) and later the ``"late"`` rest, whose host twins may still be written
+        while the early copy is in flight (they are other bytes)."""
+        for device_buf, host_buf, early in self._pairs:
+            lo, hi = {"all": (0, None), "early": (0, early), "late": (early, None)}[part]
+            if hi is None or hi > lo:
+                device_buf[lo:hi].copy_(host_buf[lo:hi], non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
 
@@ -140,12 +147,13 @@ def batch_fields(key: GraphKey) -> dict[str, int]:
             "block_tables": b * key.pages, "context_lens": b, "logits_rows": b * r}
 
 
-def fill_batch(host: dict[str, np.ndarray], key: GraphKey, *, starts: Sequence[int], slots: Sequence[int],
+def fill_batch(host: dict[str, np.ndarray], key: GraphKey, *, starts: Sequence[int], slots: Sequence[int] | None,
                tables: Sequence[Sequence[int]], logits_rows: Sequence[int], page_size: int) -> None:
     """Write the padded ForwardBatch fields of ``len(starts)`` real sequences of R rows each (not the tokens).
 
     starts, slots: B' ints; tables: B' rows of page ids (a sequence's pages in order, at most P; -1 pads);
     logits_rows: M ints (padded with every row after them). Lists, numpy arrays or CPU tensors.
+    ``slots=None`` leaves ``state_slots`` as written before (a step that uploaded it early).
     """
     b, r, p = key.num_seqs, key.rows_per_seq, key.pages
     starts = np.asarray(starts, dtype=np.int64)
@@ -155,8 +163,9 @@ def fill_batch(host: dict[str, np.ndarray], key: GraphKey, *, starts: Sequence[i
     host["positions"][:] = 0
     host["positions"][:n_real] = positions
     host["cu_seqlens"][:] = np.arange(b + 1) * r
-    host["state_slots"][:] = PAD_SLOT
-    host["state_slots"][:num_seqs] = np.asarray(slots, dtype=np.int64)
+    if slots is not None:
+        host["state_slots"][:] = PAD_SLOT
+        host["state_slots"][:num_seqs] = np.asarray(slots, dtype=np.int64)
     table = host["block_tables"].reshape(b, p)
     table[:] = PAD_SLOT
     for i, pages in enumerate(tables):
@@ -214,6 +223,7 @@ class CapturedStep:
                  mempool) -> None:
         self.inputs, self.fn = inputs, fn
         self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.marks: dict[str, int] = {}  # a named graph_cut -> the graphs captured before it
         if device.type != "cuda":
             return
         side = torch.cuda.Stream(device)
@@ -228,8 +238,10 @@ class CapturedStep:
             self.graphs.append(torch.cuda.CUDAGraph())
             self.graphs[-1].capture_begin(pool=mempool)
 
-        def cut() -> None:
+        def cut(mark: str | None) -> None:
             self.graphs[-1].capture_end()
+            if mark is not None:
+                self.marks[mark] = len(self.graphs)
             begin()
 
         with torch.cuda.stream(torch.cuda.Stream(device)):
@@ -240,10 +252,12 @@ class CapturedStep:
             finally:
                 self.graphs[-1].capture_end()
 
-    def replay(self):
+    def replay(self, start: str | None = None, stop: str | None = None):
+        """Replay the graphs from mark ``start`` (None: the first) up to mark ``stop`` (None: the last);
+        returns the output (complete once the last graph has run). Without graphs: ``fn`` on the fields."""
         if not self.graphs:
             return self.fn(self.inputs.views)
-        for graph in self.graphs:
+        for graph in self.graphs[self.marks[start] if start else 0:self.marks[stop] if stop else None]:
             graph.replay()
         return self.out
 
@@ -265,9 +279,10 @@ class _KeyedGraphs:
         bucket = next(b for b in self.sizes if b >= num_seqs)
         return GraphKey(bucket, rows_per_seq, page_bucket(pages, self.max_pages), is_verify)
 
-    def _padding(self, key: GraphKey, extra_int: dict[str, int], extra_float: dict[str, int]) -> StaticInputs:
+    def _padding(self, key: GraphKey, extra_int: dict[str, int], extra_float: dict[str, int],
+                 early: Collection[str] = ()) -> StaticInputs:
         """Static inputs for ``key``, filled with an all-padding batch (what the capture runs on)."""
-        inputs = StaticInputs({**batch_fields(key), **extra_int}, extra_float, self.device)
+        inputs = StaticInputs({**batch_fields(key), **extra_int}, extra_float, self.device, early=early)
         fill_batch(inputs.begin_fill(), key, starts=[], slots=[], tables=[], logits_rows=[], page_size=self.page_size)
         inputs.upload()
         return inputs
@@ -345,6 +360,7 @@ class TargetGraphs(_KeyedGraphs):
 
 
 REQUEST_INT_FIELDS = ("anchor_tokens", "anchors", "top_k", "seeds", "keep")
+PROPOSED = "proposed"  # the graph_cut mark after a speculative step's proposal
 REQUEST_FLOAT_FIELDS = ("temperature", "top_p")
 
 
@@ -355,11 +371,19 @@ class StepGraphs(_KeyedGraphs):
     Per-request fields beside the batch: anchor token and position, sampling parameters (temperature,
     top-k, top-p, seed; padding requests are greedy) and, for benchmarks only, ``keep`` (the drafts a
     simulated verify keeps).
+
+    ``split_after_propose`` (a proposer that reads only the per-request fields and ``state_slots``:
+    DFlash): ``step_fn`` marks the end of its proposal with ``graph_cut(PROPOSED)``, and a replay
+    uploads those fields, launches the proposal's graphs, and only then fills and uploads the rest of
+    the batch and launches the verify's, so the host's fill of the batch runs while the GPU drafts
+    instead of before (on the H200 the GPU waited about 290 us of host work per MoE verify step,
+    bench/results/2026-12-01-h200-perf3/call3-hostsplit-moe-dflash7.txt).
     """
 
-    def __init__(self, pools, step_fn: Callable, *, max_seqs: int, max_pages: int):
+    def __init__(self, pools, step_fn: Callable, *, max_seqs: int, max_pages: int, split_after_propose: bool = False):
         super().__init__(pools, max_seqs=max_seqs, max_pages=max_pages)
         self.step_fn = step_fn
+        self.split_after_propose = split_after_propose
 
     def run(self, key: GraphKey, *, anchors: Sequence[int], slots: Sequence[int], tables: Sequence[Sequence[int]],
             anchor_tokens: Sequence[int], params: Sequence[SamplingParams], keep: int) -> list[list[int]]:
@@ -369,17 +393,25 @@ class StepGraphs(_KeyedGraphs):
         step = self.graphs.get(key) or self._capture(key)
         host = step.inputs.begin_fill()
         num_seqs = len(anchors)
-        fill_batch(host, key, starts=anchors, slots=slots, tables=tables,
+        per_request = {"anchor_tokens": (anchor_tokens, 0), "anchors": (anchors, 0), "keep": ([keep] * num_seqs, 0),
+                       **sampling_fields(params)}
+        split = PROPOSED in step.marks
+        if split:  # the proposal's fields, then its graphs, while the host goes on with the batch
+            fill_per_request(host, {**per_request, "state_slots": (slots, PAD_SLOT)})
+            step.inputs.upload("early")
+            step.replay(stop=PROPOSED)
+        else:
+            fill_per_request(host, per_request)
+        fill_batch(host, key, starts=anchors, slots=None if split else slots, tables=tables,
                    logits_rows=range(num_seqs * key.rows_per_seq), page_size=self.page_size)
-        fill_per_request(host, {"anchor_tokens": (anchor_tokens, 0), "anchors": (anchors, 0),
-                                "keep": ([keep] * num_seqs, 0), **sampling_fields(params)})
-        step.inputs.upload()
-        return step.replay()[:num_seqs].tolist()
+        step.inputs.upload("late" if split else "all")
+        return step.replay(start=PROPOSED if split else None)[:num_seqs].tolist()
 
     def _capture(self, key: GraphKey) -> CapturedStep:
         b = key.num_seqs
+        early = (*REQUEST_INT_FIELDS, *REQUEST_FLOAT_FIELDS, "state_slots") if self.split_after_propose else ()
         inputs = self._padding(key, {name: b for name in REQUEST_INT_FIELDS},
-                               {name: b for name in REQUEST_FLOAT_FIELDS})
+                               {name: b for name in REQUEST_FLOAT_FIELDS}, early=early)
         fill_per_request(inputs.begin_fill(), sampling_fields([]))
         inputs.upload()
 

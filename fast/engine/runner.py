@@ -44,7 +44,7 @@ from ..model.capture import graph_cut
 from ..model.pools import commit_verify
 from ..speculative.proposal import DraftProposal
 from .logprobs import TokenLogprob, select_rows, token_logprobs
-from .graphs import GraphKey, StepGraphs, TargetGraphs, batch_view, kv_slot_mapping
+from .graphs import PROPOSED, GraphKey, StepGraphs, TargetGraphs, batch_view, kv_slot_mapping
 from .sampler import VerifyOutput, sample_next, sampling_tensors, verify_ragged
 from .scheduler import DecodePlan, PrefillPlan, Req
 
@@ -56,8 +56,11 @@ class Proposer(Protocol):
         """The target ran ``batch`` (``out``: its FastOutput); the first ``num_committed[b]`` rows of
         sequence b are committed (None: all of them, a prefill)."""
 
-    def propose(self, anchor_tokens: Tensor, anchor_positions: Tensor, slots: Tensor, block_tables: Tensor, k: int,
-                st: SamplingTensors) -> DraftProposal:
+    reads_block_tables: bool  # whether propose reads block_tables (else it may be None, and a captured
+    # step uploads the batch's other fields while the proposal runs: StepGraphs.split_after_propose)
+
+    def propose(self, anchor_tokens: Tensor, anchor_positions: Tensor, slots: Tensor, block_tables: Tensor | None,
+                k: int, st: SamplingTensors) -> DraftProposal:
         """k drafts per request (``block_tables [B, P]`` covers positions up to s + k)."""
 
 
@@ -77,9 +80,12 @@ class ModelRunner:
         self.page_size, self.device, self.trace = page_size, device, trace
         self.graphs = graphs  # CUDA graphs of the decode and verify forwards (None: every step eager)
         self.step_graphs = None  # whole speculative steps as CUDA graphs (when a proposer runs on CUDA)
+        # a proposer that does not say reads its block tables (the safe side: no early launch)
+        self.proposer_reads_tables = getattr(proposer, "reads_block_tables", True)
         if graphs is not None and proposer is not None:
             self.step_graphs = StepGraphs(pools, self.verify_step_fn, max_seqs=graphs.max_seqs,
-                                          max_pages=graphs.max_pages)
+                                          max_pages=graphs.max_pages,
+                                          split_after_propose=not self.proposer_reads_tables)
         # Benchmarks only (bench/): drafts kept per verify step, called once per step. Random weights
         # accept nothing, so ``ft bench`` fixes the acceptance to time a step at a published length.
         # No serving path sets it: EngineConfig, LLM and ft generate/serve have no flag for it.
@@ -300,9 +306,10 @@ class ModelRunner:
         k = rows - 1
         st = SamplingTensors(views["temperature"], views["top_k"], views["top_p"], views["seeds"], key.sampling)
         anchors, anchor_tokens = views["anchors"], views["anchor_tokens"]
-        tables = views["block_tables"].view(b, key.pages).to(torch.int32)
+        # a proposer that does not read the block tables runs before they are uploaded (StepGraphs)
+        tables = views["block_tables"].view(b, key.pages).to(torch.int32) if self.proposer_reads_tables else None
         proposal = self.proposer.propose(anchor_tokens, anchors, views["state_slots"], tables, k, st)
-        graph_cut()  # the capture goes on in a new graph at each stage (fast/model/capture.py)
+        graph_cut(PROPOSED)  # the capture goes on in a new graph at each stage (fast/model/capture.py)
         token_ids = torch.cat([anchor_tokens[:, None], proposal.tokens], dim=1).reshape(-1)
         batch = batch_view(views, key, token_ids)
         out = self.target.forward(batch, self.pools)
@@ -338,6 +345,8 @@ def graph_summary(params: Sequence[SamplingParams]) -> HostSummary:
 class DFlashDrafter:
     """``FastDFlashProposer`` under the runner's :class:`Proposer` interface."""
 
+    reads_block_tables = False  # the draft attends over its own ring, not the target's pages
+
     def __init__(self, proposer):
         self.proposer = proposer
 
@@ -352,6 +361,8 @@ class DFlashDrafter:
 
 class MTPDrafter:
     """``FastMTPProposer`` under the runner's :class:`Proposer` interface (argmax drafts: q one-hot)."""
+
+    reads_block_tables = True  # the MTP layer attends over paged K/V
 
     def __init__(self, proposer):
         self.proposer = proposer

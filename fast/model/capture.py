@@ -23,7 +23,7 @@ from contextlib import contextmanager
 LAYER_GROUPS = 4  # long graphs a captured target forward is cut into (0.57 ms of launch for 549 kernels, measured)
 EARLY_CUTS = (1, 3)  # and short ones first: layer 0, then layers 1-2
 
-_cut: Callable[[], None] | None = None
+_cut: Callable[[str | None], None] | None = None
 
 
 def layer_cuts(num_layers: int, groups: int = LAYER_GROUPS) -> frozenset[int]:
@@ -33,15 +33,16 @@ def layer_cuts(num_layers: int, groups: int = LAYER_GROUPS) -> frozenset[int]:
     return frozenset(i for i in (*EARLY_CUTS, *range(per_graph, num_layers, per_graph)) if 0 < i < num_layers)
 
 
-def graph_cut() -> None:
-    """A point where a capture in progress may end its graph and begin the next; a no-op otherwise."""
+def graph_cut(mark: str | None = None) -> None:
+    """A point where a capture in progress may end its graph and begin the next; a no-op otherwise.
+    ``mark`` names the point, so a replay can stop there and go on later (``CapturedStep.marks``)."""
     if _cut is not None:
-        _cut()
+        _cut(mark)
 
 
 @contextmanager
-def cutting(cut: Callable[[], None]) -> Iterator[None]:
-    """Within the block, :func:`graph_cut` calls ``cut``."""
+def cutting(cut: Callable[[str | None], None]) -> Iterator[None]:
+    """Within the block, :func:`graph_cut` calls ``cut`` with its mark."""
     global _cut
     previous, _cut = _cut, cut
     try:

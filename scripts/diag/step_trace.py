@@ -13,8 +13,8 @@ in launch order; ``--host-profile N`` adds a cProfile of an N-token generate and
 ``--timeline N`` profiles an N-token generate (host and device) and splits each runner step's wall time
 into the host's lead before its first kernel, the GPU's span (kernels busy, gaps) and the tail after
 the last kernel, with the host calls of the lead; ``--host-split N`` times (perf_counter, no
-profiler) the host's parts of each graphed step of an N-token generate: before the fill, the fill,
-the upload, the first graph's launch, the other launches, and the wait for the device read.
+profiler) the host's parts of each graphed step of an N-token generate: each event's offset from the
+step's start (the fills, the uploads, the first and last graph launches, the device read at the end).
 """
 
 from __future__ import annotations
@@ -182,17 +182,19 @@ def host_split(llm, prompt: list[int], tokens: int, kind: str) -> None:
 
     eager_replay = graphs_module.CapturedStep.replay
 
-    def replay(self):
+    def replay(self, start=None, stop=None):
         if not self.graphs:  # a CPU run: the step function itself, marked as one launch
             out = eager_replay(self)
             marks.append(("launch 0", time.perf_counter()))
             return out
-        for i, graph in enumerate(self.graphs):
+        first = self.marks[start] if start else 0
+        for i, graph in enumerate(self.graphs[first:self.marks[stop] if stop else None], start=first):
             graph.replay()
             marks.append((f"launch {i}", time.perf_counter()))
         return self.out
 
-    patch(graphs_module, "fill_batch", around("fill"))
+    patch(graphs_module, "fill_batch", around("fill_batch"))
+    patch(graphs_module, "fill_per_request", around("fill_per_request"))
     patch(graphs_module.StaticInputs, "upload", around("upload"))
     patch(graphs_module.CapturedStep, "replay", lambda _: replay)
     patch(runner, kind, around("step"))
@@ -202,24 +204,26 @@ def host_split(llm, prompt: list[int], tokens: int, kind: str) -> None:
     llm.generate([prompt], params)
     for owner, name, fn in reversed(patched):
         setattr(owner, name, fn)
-    parts = collections.defaultdict(list)
-    step: dict[str, float] = {}
+    # per step, its events in order as offsets from the step's start; steps of one kind share the order
+    sequences: dict[tuple[str, ...], list[list[float]]] = collections.defaultdict(list)
+    events: list[tuple[str, float]] = []
     for label, t in marks:
-        step[label] = t
+        events.append((label, t))
         if label != "step end":
             continue
-        if "launch 0" in step and "fill start" in step:
-            last = max(v for k, v in step.items() if k.startswith("launch"))
-            for name, a, b in (("before the fill", "step start", "fill start"), ("fill_batch", "fill start", "fill end"),
-                               ("fill_per_request", "fill end", "upload start"),
-                               ("upload", "upload start", "upload end"), ("first launch", "upload end", "launch 0"),
-                               ("other launches", "launch 0", None), ("device wait + read", None, "step end")):
-                parts[name].append(1e6 * ((last if b is None else step[b]) - (last if a is None else step[a])))
-            parts["wall"].append(1e6 * (step["step end"] - step["step start"]))
-        step = {}
-    print(f"\n== host split of {len(parts['wall'])} graphed {kind} steps (median us):")
-    for name, values in parts.items():
-        print(f"  {sorted(values)[len(values) // 2]:9.1f}  {name}")
+        if events[0][0] == "step start" and any(name.startswith("launch") for name, _ in events):
+            t0 = events[0][1]
+            sequences[tuple(name for name, _ in events)].append([1e6 * (t - t0) for _, t in events])
+        events = []
+    for order, steps in sequences.items():
+        print(f"\n== host split of {len(steps)} graphed {kind} steps: each event's median offset from the "
+              f"step's start (us)")
+        medians = [sorted(column)[len(column) // 2] for column in zip(*steps)]
+        launches = [m for name, m in zip(order, medians) if name.startswith("launch")]
+        for name, m in zip(order, medians):
+            if not name.startswith("launch") or m in (launches[0], launches[-1]):
+                print(f"  {m:9.1f}  {name}")
+        print(f"  the GPU's first graph was launched {launches[0]:.1f} us into the step; wall {medians[-1]:.1f} us")
 
 
 def main() -> int:

@@ -11,9 +11,9 @@ from dflash2.fast.model import capture
 def test_cutting_installs_and_restores_the_cutter():
     """Inside ``cutting`` a cut calls the cutter (the innermost); outside it, a cut calls nothing."""
     outer, inner = [], []
-    with capture.cutting(lambda: outer.append(1)):
+    with capture.cutting(lambda mark: outer.append(1)):
         capture.graph_cut()
-        with capture.cutting(lambda: inner.append(1)):
+        with capture.cutting(lambda mark: inner.append(1)):
             capture.graph_cut()
             capture.graph_cut()
         capture.graph_cut()
@@ -23,7 +23,7 @@ def test_cutting_installs_and_restores_the_cutter():
 
 def test_cutting_restores_after_an_error():
     with pytest.raises(RuntimeError):
-        with capture.cutting(lambda: None):
+        with capture.cutting(lambda mark: None):
             raise RuntimeError("capture failed")
     assert capture._cut is None
 
@@ -50,6 +50,6 @@ def test_the_target_marks_its_layer_cuts(tmp_path):
     forwards, cuts = [], []
     forward = target.forward
     target.forward = lambda *a, **kw: forwards.append(1) or forward(*a, **kw)
-    with capture.cutting(lambda: cuts.append(len(forwards))):
+    with capture.cutting(lambda mark: cuts.append(len(forwards))):
         llm.generate([[1, 2, 3]], None)
     assert forwards and cuts == [n for n in range(1, len(forwards) + 1) for _ in range(4)]
