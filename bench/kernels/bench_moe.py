@@ -37,13 +37,20 @@ ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
 LAYERS = 8
 NOMINAL_BW = 4.25e12
 EXPERT_BYTES = (2 * WIDTH * HIDDEN + HIDDEN * WIDTH) * 2
+SPLIT = dict(split=True)  # the split form (fast/kernels/moe.py): gate/up -> h, then the down projection by C tile
 SWEEP = {  # beside each N's default (fast/kernels/moe.default_blocks); one compile each
-    1: [MoEBlocks(), MoEBlocks(block_i=16, block_c=256, num_stages=4), MoEBlocks(block_i=64, block_c=256, num_stages=4)],
-    4: [MoEBlocks(block_i=64), MoEBlocks(block_c=256, num_stages=4)],
-    8: [MoEBlocks(block_i=64), MoEBlocks(block_i=64, num_stages=4), MoEBlocks(block_i=64, block_c=256, num_stages=4),
-        MoEBlocks(block_c=256, num_stages=4), MoEBlocks(block_i=64, num_warps=8)],
-    16: [MoEBlocks(block_i=32), MoEBlocks(block_i=64, num_stages=4)],
-    128: [MoEBlocks(block_i=128), MoEBlocks(block_i=32)],
+    1: [MoEBlocks(block_c=256, num_stages=4), MoEBlocks(block_i=16, block_c=64, **SPLIT),
+        MoEBlocks(block_i=16, block_c=64, num_stages=4, **SPLIT), MoEBlocks(block_i=32, block_c=128, **SPLIT),
+        MoEBlocks(block_i=16, block_c=32, block_d=256, **SPLIT)],
+    4: [MoEBlocks(block_i=64), MoEBlocks(block_i=32, block_c=128, **SPLIT), MoEBlocks(block_i=16, block_c=64, **SPLIT)],
+    8: [MoEBlocks(block_i=64, num_stages=4), MoEBlocks(block_i=32, block_c=128, **SPLIT),
+        MoEBlocks(block_i=32, block_c=128, num_stages=4, **SPLIT), MoEBlocks(block_i=16, block_c=64, **SPLIT),
+        MoEBlocks(block_i=64, block_c=128, **SPLIT), MoEBlocks(block_i=32, block_c=64, **SPLIT),
+        MoEBlocks(block_i=32, block_c=256, **SPLIT)],
+    16: [MoEBlocks(block_i=64), MoEBlocks(block_i=32, block_c=128, **SPLIT),
+         MoEBlocks(block_i=64, block_c=128, **SPLIT)],
+    128: [MoEBlocks(block_i=64), MoEBlocks(block_i=64, block_c=128, **SPLIT),
+          MoEBlocks(block_i=128, block_c=128, **SPLIT)],
 }
 
 
@@ -113,17 +120,22 @@ def bench_rows(rows: int, layers, gen: torch.Generator, bandwidth: float) -> dic
             "model_dispatch_eager": "triton" if rows * TOP_K <= MAX_TRITON_PAIRS else "torch"}
 
 
-def sweep(layers, gen: torch.Generator) -> list[dict]:
+def sweep(layers, gen: torch.Generator, only_rows: set[int] | None = None) -> list[dict]:
     results = []
     for rows, configs in SWEEP.items():
+        if only_rows is not None and rows not in only_rows:
+            continue
         inputs = [make_inputs(rows, gen) for _ in layers]
         args = [(x, ids, w, gu, dn) for (x, ids, w), (gu, dn) in zip(inputs, layers)]
         distinct = sum(int(torch.unique(ids).numel()) for _, ids, _ in inputs) / len(layers)
         floor_us = distinct * EXPERT_BYTES / NOMINAL_BW * 1e6
+        reference = moe_experts_torch(*args[0])
         for blocks in [default_blocks(rows), *configs]:
+            error = rms_rel(moe_experts_triton(*args[0], blocks=blocks), reference)
             graph = capture(lambda: [moe_experts_triton(*a, blocks=blocks) for a in args])
             us = do_bench(graph.replay, warmup=10, rep=40, return_mode="median") * 1e3 / len(layers)
-            results.append({"rows": rows, "blocks": asdict(blocks), "graph_us": us, "fraction_of_floor": floor_us / us})
+            results.append({"rows": rows, "blocks": asdict(blocks), "graph_us": us, "fraction_of_floor": floor_us / us,
+                            "rms_rel_vs_torch": error, "numeric_ok": error <= 2e-2})
     return results
 
 
@@ -147,6 +159,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="where to write the JSON results")
     parser.add_argument("--no-sweep", action="store_true", help="skip the block-size sweep and the profile")
+    parser.add_argument("--sweep-only", default=None,
+                        help="comma-separated row counts: only the sweep at those (no table, no profile)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe.py needs CUDA")
@@ -157,10 +171,13 @@ def main() -> None:
     results = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": triton.__version__, "shape": dict(C=HIDDEN, I=WIDTH, E=EXPERTS, k=TOP_K, dtype="bfloat16"),
                "layers_per_call": LAYERS, "nominal_bw": NOMINAL_BW, "copy_bw": bandwidth, "rows": []}
-    for rows in ROWS:
+    only = None if args.sweep_only is None else {int(r) for r in args.sweep_only.split(",")}
+    for rows in ROWS if only is None else ():
         results["rows"].append(bench_rows(rows, layers, gen, bandwidth))
         print(f"N={rows} done at {time.perf_counter() - start:.1f} s", flush=True)
-    if not args.no_sweep:
+    if only is not None:
+        results["sweep"] = sweep(layers, gen, only)
+    elif not args.no_sweep:
         results["sweep"] = sweep(layers, gen)
         try:
             results["profile"] = profile(layers, gen)
@@ -175,8 +192,11 @@ def main() -> None:
         print(f"profile N={p['rows']:<4} {p['kernel'][:40]:40s} {p['us_per_layer']:8.1f} us/layer")
     for s in results.get("sweep", []):
         b = s["blocks"]
-        print(f"sweep N={s['rows']:<4} m{b['block_m']} i{b['block_i']} k{b['block_k']} c{b['block_c']} "
-              f"st{b['num_stages']} w{b['num_warps']}: {s['graph_us']:8.1f} us  {100 * s['fraction_of_floor']:5.1f}% of floor")
+        form = f"split d{b['block_d']}" if b.get("split") else "fused"
+        print(f"sweep N={s['rows']:<4} {form:10s} m{b['block_m']} i{b['block_i']} k{b['block_k']} c{b['block_c']} "
+              f"st{b['num_stages']} w{b['num_warps']}: {s['graph_us']:8.1f} us  "
+              f"{100 * s['fraction_of_floor']:5.1f}% of floor"
+              + ("" if s.get("numeric_ok", True) else "  NUMERIC FAIL"))
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (floor below at {NOMINAL_BW / 1e12:.2f}); "
           f"{results['seconds']:.1f} s in all")
     print(f"{'N':>4} {'experts':>7} {'floor us':>9} {'graph us':>9} {'floor %':>7} {'eager us':>9} {'torch us':>9} "

@@ -9,7 +9,7 @@ for bit, at the released model's shapes too."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -22,6 +22,8 @@ from dflash2.reference.model.moe import routed_experts
 
 HIDDEN, WIDTH, EXPERTS, TOP_K = 48, 40, 7, 3
 SMALL = MoEBlocks(block_m=16, block_i=16, block_k=32, block_c=32, pair_tile=16, sum_block_c=32)
+SMALL_SPLIT = MoEBlocks(block_m=16, block_i=16, block_k=32, block_c=32, pair_tile=16, sum_block_c=32, split=True,
+                        block_d=16)  # the split form: I = 40 in three steps of 16, C = 48 in two tiles of 32
 POPULARITY = torch.tensor([0.0, 4.0, 2.0, 1.0, 0.5, 0.0, 0.0])  # the choices besides expert 0; 5 and 6 unused
 
 
@@ -59,7 +61,7 @@ def run(impl: str, args: tuple[torch.Tensor, ...], blocks: MoEBlocks | None = No
         return moe_experts_torch(*args)
     x, expert_ids = args[0], args[1]
     blocks = default_blocks(x.shape[0]) if blocks is None else blocks
-    tiles = -(-args[3].shape[1] // 2 // blocks.block_i)
+    tiles = 1 if blocks.split else -(-args[3].shape[1] // 2 // blocks.block_i)
     out = torch.full((x.shape[0], x.shape[1]), float("nan"), device=x.device)
     partials = torch.full((expert_ids.numel(), tiles, x.shape[1]), float("nan"), device=x.device)
     return moe_experts_triton(*args, blocks=blocks, out=out, partials=partials)
@@ -76,10 +78,10 @@ def test_moe_matches_reference(impl_device, report, rows):
     assert int((case.expert_ids == 0).sum()) == rows and not torch.isin(case.expert_ids, torch.tensor([5, 6])).any()
     for dtype in dtypes(device):
         args = case.inputs(device, dtype)
-        for blocks in [SMALL, None] if impl == "triton" else [None]:
+        for blocks in [SMALL, SMALL_SPLIT, None] if impl == "triton" else [None]:
             got = run(impl, args, blocks)
             assert got.dtype == torch.float32 and got.shape == (rows, HIDDEN)
-            what = f"y/{str(dtype)[6:]}" + ("/small" if blocks is SMALL else "")
+            what = f"y/{str(dtype)[6:]}" + {id(SMALL): "/small", id(SMALL_SPLIT): "/split"}.get(id(blocks), "")
             report.numeric(what, got, case.expected, NUMERIC_BOUND[dtype])
             if impl == "triton" or device == "cpu":  # the torch form's index_add_ on CUDA adds in any order
                 assert torch.equal(run(impl, args, blocks), got), "two runs differ"
@@ -99,8 +101,8 @@ def test_moe_repeated_expert_within_a_row(impl_device, report):
             expected[n] += case.weights[n, j].double() * (down[expert_ids[n, j]] @ (F.silu(gate) * up))
     args = (case.x.to(device), expert_ids.to(device), case.weights.to(device), case.gate_up.to(device),
             case.down.to(device))
-    report.numeric("y/float32", run(impl, args, SMALL if impl == "triton" else None), expected,
-                   NUMERIC_BOUND[torch.float32])
+    for blocks in [SMALL, SMALL_SPLIT] if impl == "triton" else [None]:
+        report.numeric("y/float32", run(impl, args, blocks), expected, NUMERIC_BOUND[torch.float32])
 
 
 def test_moe_default_op_dispatch_on_cpu():
@@ -109,9 +111,12 @@ def test_moe_default_op_dispatch_on_cpu():
     assert torch.equal(moe_experts(*args), moe_experts_torch(*args))
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
 @pytest.mark.parametrize("planted", ["gate_up_swapped", "routed_off_by_one"])
-def test_moe_planted_bugs_are_caught(impl_device, planted):
+def test_moe_planted_bugs_are_caught(impl_device, planted, split):
     impl, device = impl_device
+    if split and impl != "triton":
+        pytest.skip("the split form is the Triton launcher's")
     case = make_case(5, seed=7)
     x, expert_ids, weights, gate_up, down = case.inputs(device, torch.float32)
     if planted == "gate_up_swapped":
@@ -119,7 +124,8 @@ def test_moe_planted_bugs_are_caught(impl_device, planted):
     else:
         expert_ids = expert_ids.clone()
         expert_ids[2] = (expert_ids[2] + 1) % EXPERTS  # still distinct within the row
-    got = run(impl, (x, expert_ids, weights, gate_up, down), SMALL if impl == "triton" else None).double().cpu()
+    blocks = (SMALL_SPLIT if split else SMALL) if impl == "triton" else None
+    got = run(impl, (x, expert_ids, weights, gate_up, down), blocks).double().cpu()
     rms_rel = float((got - case.expected).pow(2).mean().sqrt() / case.expected.pow(2).mean().sqrt())
     assert rms_rel > 100 * NUMERIC_BOUND[torch.float32], f"the planted bug ({planted}) passes NUMERIC: {rms_rel:.1e}"
 
@@ -153,16 +159,16 @@ def test_moe_no_rows(impl_device):
     assert got.shape == (0, HIDDEN) and got.dtype == torch.float32
 
 
-def _graph_replay_equals_eager(args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    eager = moe_experts_triton(*args)  # compiles outside the capture
+def _graph_replay_equals_eager(args: tuple[torch.Tensor, ...], blocks: MoEBlocks | None = None) -> torch.Tensor:
+    eager = moe_experts_triton(*args, blocks=blocks)  # compiles outside the capture
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        moe_experts_triton(*args)
+        moe_experts_triton(*args, blocks=blocks)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = moe_experts_triton(*args)
+        captured = moe_experts_triton(*args, blocks=blocks)
     for _ in range(2):
         captured.fill_(float("nan"))
         graph.replay()
@@ -182,10 +188,12 @@ def test_moe_cuda_graph_replay_is_exact_and_the_default_op_dispatches_to_it():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the released shapes run in the GPU lane")
-@pytest.mark.parametrize("rows", [1, 16, 128])
-def test_moe_at_released_shapes(report, rows):
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+@pytest.mark.parametrize("rows", [1, 8, 16, 128])
+def test_moe_at_released_shapes(report, rows, split):
     """Qwen3.5-35B-A3B's experts (C = 2048, I = 512, E = 256, k = 8) in bf16, routed by a softmax over
-    random logits: NUMERIC against the torch form in fp32, exact under graph replay."""
+    random logits: NUMERIC against the torch form in fp32, exact under graph replay; both forms at
+    each row count's default tiles."""
     gen = torch.Generator(device="cuda").manual_seed(rows)
     hidden, width, experts, top_k = 2048, 512, 256, 8
     x = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
@@ -194,7 +202,8 @@ def test_moe_at_released_shapes(report, rows):
     weights = top_probs / top_probs.sum(dim=-1, keepdim=True)
     gate_up = (torch.randn(experts, 2 * width, hidden, device="cuda", generator=gen) * hidden ** -0.5).bfloat16()
     down = (torch.randn(experts, hidden, width, device="cuda", generator=gen) * width ** -0.5).bfloat16()
-    got = _graph_replay_equals_eager((x, expert_ids, weights, gate_up, down))
+    got = _graph_replay_equals_eager((x, expert_ids, weights, gate_up, down),
+                                     replace(default_blocks(rows), split=split))
     expected = moe_experts_torch(x.float(), expert_ids, weights, gate_up.float(), down.float())
     report.numeric("y/bfloat16", got, expected, NUMERIC_BOUND[torch.bfloat16])
 

@@ -1,5 +1,5 @@
-"""The routed experts of the MoE sublayer as two Triton kernels, sync-free and graph-capturable,
-twin of ``reference/model/moe.routed_experts`` (torch twin: ``fast/model/moe.moe_experts_torch``).
+"""The routed experts of the MoE sublayer as two Triton kernels (three in the split form), sync-free and
+graph-capturable, twin of ``reference/model/moe.routed_experts`` (torch twin: ``fast/model/moe.moe_experts_torch``).
 
 N rows, k choices each, E experts of width I, pairs ``p = n k + j`` (P = N k)::
 
@@ -16,6 +16,16 @@ tile of each active expert's weights is read once per chunk of ``block_m`` pairs
 step while no expert has more than ``block_m`` rows. Kernel 2, one program per (row, C tile),
 sums ``y_n = sum_j weights[n, j] sum_t partials[p, t]`` in that fixed order: no atomics, so
 the result is bitwise reproducible and a CUDA-graph replay equals the eager call.
+
+Split form (``MoEBlocks.split``; three kernels): kernel 1, one program per (pair, I tile), the leader
+writes ``h [P, I]`` (the down weights' dtype, as the fused form rounds it); kernel 2, one program
+per (pair, C tile of ``block_c``), the leader reduces all of I in ``block_d`` steps for its C tile,
+``partials [P, 1, C] = W_down[e_p] h_p`` fp32; the sum kernel adds the k choices. Why: the fused
+form's programs each stream 768 KiB at 8 rows (I tiles of 64), one resident per SM with a 4-stage
+pipeline, so the ~470 programs of a verify layer (58 experts) end in a partial last wave; the split
+form's programs stream 128-256 KiB each and its partials are T times smaller. It rounds differently
+(one fp32 accumulation over I instead of T partial sums), within NUMERIC of the reference; not yet
+timed on a GPU, so no default uses it (bench/kernels/bench_moe.py sweeps it beside the fused form).
 
 No host sync and no data-dependent shape: the grids and buffers depend on (N, k, E, C, I) only.
 What bounds it: the weight bytes of the distinct experts chosen (memory); the partials add
@@ -51,6 +61,10 @@ class MoEBlocks:
     sum_block_c: int = 64  # C tile of the sum kernel
     num_warps: int = 4
     num_stages: int = 3
+    # split: the down projection as its own kernel (module docstring, "Split form"): block_c is then the
+    # C tile one down program owns (it reduces all of I in block_d steps) and the partials have one tile
+    split: bool = False
+    block_d: int = 128  # I step of the split form's down kernel
 
 
 def default_blocks(rows: int) -> MoEBlocks:
@@ -151,6 +165,74 @@ def _moe_expert_tile_kernel(x_ptr, ids_ptr, gate_up_ptr, down_ptr, partials_ptr,
 
 
 @triton.jit
+def _moe_gate_up_kernel(x_ptr, ids_ptr, gate_up_ptr, h_ptr, num_pairs, C: tl.constexpr, I: tl.constexpr,
+                        TOP_K: tl.constexpr, P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    """Split form, kernel 1: ``h [P, I]`` (the down weights' dtype) for the I tile of each active expert."""
+    p = tl.program_id(0)
+    tile = tl.program_id(1)
+    e, count, leader = _scan_expert(ids_ptr, p, num_pairs, P_PAD, PAIR_TILE)
+    if leader:
+        i_offs = tile * BLOCK_I + tl.arange(0, BLOCK_I)
+        in_i = i_offs < I
+        gate_rows = gate_up_ptr + e * (2 * I * C) + i_offs * C  # [BLOCK_I] row starts of W_gate[e]
+        up_rows = gate_rows + I * C
+        m = tl.arange(0, BLOCK_M)
+        for chunk in range(MAX_CHUNKS):
+            if chunk * BLOCK_M < count:
+                pairs = _chunk_pairs(ids_ptr, e, num_pairs, chunk * BLOCK_M, P_PAD, PAIR_TILE, BLOCK_M)
+                valid = chunk * BLOCK_M + m < count
+                rows = (pairs // TOP_K).to(tl.int64)
+                acc_gate = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+                for k0 in range(0, C, BLOCK_K):
+                    k_offs = k0 + tl.arange(0, BLOCK_K)
+                    in_k = k_offs < C
+                    a = tl.load(x_ptr + rows[:, None] * C + k_offs[None, :],
+                                mask=valid[:, None] & in_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+                    w_mask = in_k[:, None] & in_i[None, :]
+                    w_gate = tl.load(gate_rows[None, :] + k_offs[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_I]
+                    w_up = tl.load(up_rows[None, :] + k_offs[:, None], mask=w_mask, other=0.0)
+                    acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+                    acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+                h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BLOCK_M, BLOCK_I]
+                tl.store(h_ptr + pairs.to(tl.int64)[:, None] * I + i_offs[None, :], h.to(h_ptr.dtype.element_ty),
+                         mask=valid[:, None] & in_i[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(ids_ptr, h_ptr, down_ptr, partials_ptr, num_pairs, C: tl.constexpr, I: tl.constexpr,
+                     P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Split form, kernel 2: ``partials[p] [C]`` fp32 = W_down[e_p] h_p for the C tile of each active expert,
+    reducing all of I (one partial per pair: the sum kernel then adds the k choices only)."""
+    p = tl.program_id(0)
+    tile = tl.program_id(1)
+    e, count, leader = _scan_expert(ids_ptr, p, num_pairs, P_PAD, PAIR_TILE)
+    if leader:
+        c_offs = tile * BLOCK_C + tl.arange(0, BLOCK_C)
+        in_c = c_offs < C
+        down_rows = down_ptr + e * (C * I) + c_offs * I  # [BLOCK_C] row starts of W_down[e] [C, I]
+        m = tl.arange(0, BLOCK_M)
+        for chunk in range(MAX_CHUNKS):
+            if chunk * BLOCK_M < count:
+                pairs = _chunk_pairs(ids_ptr, e, num_pairs, chunk * BLOCK_M, P_PAD, PAIR_TILE, BLOCK_M)
+                valid = chunk * BLOCK_M + m < count
+                acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+                for d0 in range(0, I, BLOCK_D):
+                    d_offs = d0 + tl.arange(0, BLOCK_D)
+                    in_d = d_offs < I
+                    h = tl.load(h_ptr + pairs.to(tl.int64)[:, None] * I + d_offs[None, :],
+                                mask=valid[:, None] & in_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+                    w = tl.load(down_rows[:, None] + d_offs[None, :], mask=in_c[:, None] & in_d[None, :],
+                                other=0.0)  # [BLOCK_C, BLOCK_D], contiguous along I
+                    acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
+                tl.store(partials_ptr + pairs.to(tl.int64)[:, None] * C + c_offs[None, :], acc,
+                         mask=valid[:, None] & in_c[None, :])
+
+
+@triton.jit
 def _moe_sum_kernel(partials_ptr, weights_ptr, out_ptr, C: tl.constexpr, TOP_K: tl.constexpr,
                     NUM_TILES: tl.constexpr, TILES_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
@@ -194,8 +276,8 @@ def moe_experts_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: 
     (or ``out_dtype``: the fp32 sum rounded once as it is stored, which saves the model a cast).
 
     ``blocks`` defaults to :func:`default_blocks`. ``out`` (``out_dtype`` ``[N, C]``) and ``partials``
-    (fp32 ``[N k, T, C]``, T = ceil(I / block_i)) are the buffers to write instead of fresh ones
-    (static buffers of a captured graph; the tests poison them).
+    (fp32 ``[N k, T, C]``, T = ceil(I / block_i), or 1 in the split form) are the buffers to write
+    instead of fresh ones (static buffers of a captured graph; the tests poison them).
     """
     check_moe_inputs(x, expert_ids, weights, gate_up, down)
     rows, hidden = x.shape
@@ -203,7 +285,7 @@ def moe_experts_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: 
     width = gate_up.shape[1] // 2
     num_pairs = rows * top_k
     blocks = default_blocks(rows) if blocks is None else blocks
-    num_tiles = triton.cdiv(width, blocks.block_i)
+    num_tiles = 1 if blocks.split else triton.cdiv(width, blocks.block_i)
     if out is None:
         out = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
     elif (out.shape != (rows, hidden) or out.dtype != out_dtype or not out.is_contiguous()
@@ -223,12 +305,21 @@ def moe_experts_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: 
     pairs_pad = triton.next_power_of_2(num_pairs)
     pair_tile = min(blocks.pair_tile, pairs_pad)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays fp32; tf32 is unused for bf16/fp16
-    _moe_expert_tile_kernel[(num_pairs, num_tiles)](
-        x, ids, gate_up, down, partials, num_pairs,
-        C=hidden, I=width, TOP_K=top_k, NUM_TILES=num_tiles, P_PAD=pairs_pad, PAIR_TILE=pair_tile,
-        MAX_CHUNKS=triton.cdiv(pairs_pad, blocks.block_m), BLOCK_M=blocks.block_m, BLOCK_I=blocks.block_i,
-        BLOCK_K=blocks.block_k, BLOCK_C=blocks.block_c, DOT_PRECISION=precision,
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    scan = dict(P_PAD=pairs_pad, PAIR_TILE=pair_tile, MAX_CHUNKS=triton.cdiv(pairs_pad, blocks.block_m),
+                BLOCK_M=blocks.block_m, DOT_PRECISION=precision, num_warps=blocks.num_warps,
+                num_stages=blocks.num_stages)
+    if blocks.split:
+        h = torch.empty((num_pairs, width), dtype=down.dtype, device=x.device)  # [P, I]: L2-resident between the two
+        _moe_gate_up_kernel[(num_pairs, triton.cdiv(width, blocks.block_i))](
+            x, ids, gate_up, h, num_pairs, C=hidden, I=width, TOP_K=top_k, BLOCK_I=blocks.block_i,
+            BLOCK_K=blocks.block_k, **scan)
+        _moe_down_kernel[(num_pairs, triton.cdiv(hidden, blocks.block_c))](
+            ids, h, down, partials, num_pairs, C=hidden, I=width, BLOCK_C=blocks.block_c, BLOCK_D=blocks.block_d,
+            **scan)
+    else:
+        _moe_expert_tile_kernel[(num_pairs, num_tiles)](
+            x, ids, gate_up, down, partials, num_pairs, C=hidden, I=width, TOP_K=top_k, NUM_TILES=num_tiles,
+            BLOCK_I=blocks.block_i, BLOCK_K=blocks.block_k, BLOCK_C=blocks.block_c, **scan)
     _moe_sum_kernel[(rows, triton.cdiv(hidden, blocks.sum_block_c))](
         partials, weights, out, C=hidden, TOP_K=top_k, NUM_TILES=num_tiles,
         TILES_PAD=triton.next_power_of_2(num_tiles), BLOCK_C=blocks.sum_block_c)
