@@ -38,7 +38,7 @@ def _pools_state(pools) -> list[torch.Tensor]:
     write there, and which duplicate write lands last is not fixed."""
     tensors = [kv.keys for kv in pools.attention.values()] + [kv.values for kv in pools.attention.values()]
     for slots in pools.gdn.values():
-        tensors += [slots.conv, slots.recurrent, slots.verify_recurrent[:3], slots.verify_conv_inputs[:3]]
+        tensors += [slots.conv, slots.recurrent, slots.verify_conv_inputs[:3], *(t[:3] for t in slots.verify_rows)]
     return tensors
 
 

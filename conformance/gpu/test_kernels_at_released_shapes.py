@@ -14,6 +14,8 @@ import torch
 
 from dflash2.fast.kernels.attention_prologue import draft_qk_norm_rope_triton
 from dflash2.fast.kernels.dynamic_conv import grouped_dynamic_conv_torch, grouped_dynamic_conv_triton
+from dflash2.fast.kernels.gdn_commit import commit_verify_torch, commit_verify_triton
+from dflash2.fast.kernels.gdn_recurrent import VerifyRowInputs, gated_delta_rule_verify_triton
 from dflash2.fast.kernels.philox import keyed_uniform_torch, keyed_uniform_triton
 from dflash2.fast.kernels.rejection import verify_torch, verify_triton
 from dflash2.fast.kernels.ring_attention import ring_attention_torch, ring_attention_triton
@@ -157,3 +159,52 @@ def test_draft_block_kernels_at_released_shapes():
     got = draft_qk_norm_rope_triton(q, kv[:, :kv_heads], *scales, cos, sin, 1e-6)
     ref = draft_qk_norm_rope_torch(q.float(), kv[:, :kv_heads].float(), *scales, cos, sin, 1e-6)
     assert rms_rel(got[0], ref[0]) < 2e-2 and rms_rel(got[1], ref[1]) < 2e-2
+
+
+@pytest.mark.parametrize("value_heads", [32, 48], ids=["35b-a3b", "27b"])
+def test_gdn_verify_commit_replays_bit_identically_at_released_shapes(value_heads):
+    """Rollback by replay at Hv = 32 or 48 / Hk = 16 heads of 128, R = 8 rows, bf16 v, the launchers' default
+    tiles (what the engine runs): the verify recurrence stores its rows' inputs and writes no state; the commit
+    then leaves in every slot bit for bit the final state of a decode-style run of the kept rows through the
+    recurrence kernel (fast/kernels/gdn_commit.py: the same tiles, warps and row update); NUMERIC fp32 against
+    the torch commit; the conv state EXACT against it."""
+    layers, seqs, rows, hk, dk, cd, taps = 2, 5, 8, 16, 128, 64, 3
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
+    recurrent = rand(layers, seqs + 2, value_heads, dk, dk) * 0.1  # [L, S, Hv, Dk, Dv]
+    conv = rand(layers, seqs + 2, cd, taps).bfloat16()
+    verify_conv = rand(layers, seqs, rows, cd).bfloat16()
+    scratch = VerifyRowInputs(torch.full((layers, seqs, rows, hk, dk), float("nan"), device="cuda"),
+                              torch.full((layers, seqs, rows, value_heads, dk), float("nan"), device="cuda",
+                                         dtype=torch.bfloat16),
+                              torch.full((layers, seqs, rows, value_heads), float("nan"), device="cuda"),
+                              torch.full((layers, seqs, rows, value_heads), float("nan"), device="cuda"))
+    slots = torch.tensor([3, 0, 6, 2, 5], device="cuda")
+    zero_state = torch.tensor([False, False, True, False, False], device="cuda")
+    readable = torch.where(zero_state, -1, slots)
+    kept = torch.tensor([1, 8, 3, 5, 2], device="cuda")
+    cu = torch.arange(seqs + 1, device="cuda", dtype=torch.int32) * rows
+    inputs = []
+    for layer in range(layers):
+        q = torch.nn.functional.normalize(rand(seqs * rows, hk, dk), dim=-1) * dk ** -0.5
+        k = torch.nn.functional.normalize(rand(seqs * rows, hk, dk), dim=-1)
+        v = rand(seqs * rows, value_heads, dk).bfloat16()
+        g = -torch.nn.functional.softplus(rand(seqs * rows, value_heads))
+        inputs.append((q, k, v, g, torch.sigmoid(rand(seqs * rows, value_heads))))
+    pre_step = recurrent.clone()
+    for layer, rows_in in enumerate(inputs):
+        gated_delta_rule_verify_triton(*rows_in, recurrent[layer], cu, rows, state_index=readable,
+                                       verify_rows=VerifyRowInputs(*(t[layer] for t in scratch)),
+                                       output_final_state=False)
+    assert torch.equal(recurrent, pre_step), "the verify wrote a state"
+    twin = (conv.clone(), recurrent.clone())
+    commit_verify_triton(conv, recurrent, verify_conv, scratch, slots, zero_state, kept)
+    commit_verify_torch(*twin, verify_conv, scratch, slots, zero_state, kept)
+    assert torch.equal(conv, twin[0])
+    assert rms_rel(recurrent[:, slots], twin[1][:, slots]) < 1e-5
+    kept_rows = torch.cat([torch.arange(int(n), device="cuda") + b * rows for b, n in enumerate(kept.tolist())])
+    kept_cu = torch.cat([kept.new_zeros(1), kept.cumsum(0)]).to(torch.int32)
+    for layer, rows_in in enumerate(inputs):
+        _, run = gated_delta_rule_verify_triton(*(t[kept_rows] for t in rows_in), pre_step[layer].clone(), kept_cu,
+                                                int(kept.max()), state_index=readable)
+        assert torch.equal(recurrent[layer, slots], run), f"layer {layer}: the replay is not the run's state"

@@ -25,7 +25,7 @@ def test_byte_counts_match_what_is_allocated(preset, dtype):
           for t in (layer.keys, layer.values)]
     assert visible_bytes(kv) == pools.bytes_per_token() * 7 * 5
     assert visible_bytes(t for s in pools.gdn.values() for t in (s.conv, s.recurrent)) == pools.bytes_per_slot() * 3
-    scratch = (t for s in pools.gdn.values() for t in (s.verify_conv_inputs, s.verify_recurrent))
+    scratch = (t for s in pools.gdn.values() for t in (s.verify_conv_inputs, *s.verify_rows))
     assert visible_bytes(scratch) == pools.verify_scratch_bytes()
     assert pools.has_mtp == bool(cfg.mtp_num_hidden_layers)
     assert all(s.recurrent.dtype == torch.float32 and s.conv.dtype == dtype for s in pools.gdn.values())

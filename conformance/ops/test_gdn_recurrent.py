@@ -1,11 +1,13 @@
 """fast/kernels/gdn_recurrent.py vs reference/delta_rule.gated_delta_rule_recurrent: B sequences of
 ragged row counts (decode, verify, a prefill longer than 16 rows), GVA (Hv = 2 or 3 x Hk), odd
 head dims and Dv split over several program blocks, starting states read through ``state_index``
-from a pool whose other rows are NaN (a negative index starts from zeros). NUMERIC on the outputs,
-the final states and every captured row state; EXACT on what must stay untouched: the state pool,
-and every scratch row outside ``[:B, :max_rows]`` (NaN-poisoned). With ``final_state_index`` (the
-decode step's in-place write into the pool): EXACT against the returned final states, rows no
-sequence writes untouched."""
+from a pool whose other rows are NaN (a negative index starts from zeros). NUMERIC on the outputs
+and the final states. EXACT on the verify rows' stored inputs (``verify_rows``: k, g, beta as the
+fp32 values the recurrence used, v in its own dtype: what the commit replays,
+conformance/ops/test_gdn_commit.py) and on what must stay untouched: the state pool, and every
+scratch row past a sequence's rows (NaN-poisoned). With ``final_state_index`` (the decode step's
+in-place write into the pool): EXACT against the returned final states, rows no sequence writes
+untouched."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.gdn_recurrent import gated_delta_rule_verify_torch, gated_delta_rule_verify_triton
+from dflash2.fast.kernels.gdn_recurrent import (VerifyRowInputs, gated_delta_rule_verify_torch,
+                                                gated_delta_rule_verify_triton)
 from dflash2.reference.model.delta_rule import gated_delta_rule_recurrent
 
 EXTRA_SCRATCH = 2  # poisoned scratch rows and sequences beyond [:B, :max_rows]
@@ -35,7 +38,10 @@ class Case:
     max_rows: int
     expected_o: torch.Tensor  # [N, Hv, Dv] from the reference
     expected_final: torch.Tensor  # [B, Hv, Dk, Dv]
-    expected_rows: torch.Tensor  # [B, max_rows, Hv, Dk, Dv]: the state after each row (the final one past the end)
+
+    @property
+    def lens(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
 
 
 def make_case(lens: list[int], key_heads: int, value_heads: int, key_dim: int, value_dim: int, seed: int,
@@ -59,48 +65,61 @@ def make_case(lens: list[int], key_heads: int, value_heads: int, key_dim: int, v
 
     ratio = value_heads // key_heads
     cu = torch.tensor([0] + lens).cumsum(0)
-    outputs, finals, row_states = [], [], []
+    outputs, finals = [], []
     for b in range(batch):
         state = torch.zeros(value_heads, key_dim, value_dim) if state_index[b] < 0 else pool[state_index[b]]
-        states = []
         for t in range(cu[b], cu[b + 1]):
             step = slice(t, t + 1)
             o, state = gated_delta_rule_recurrent(q[step].repeat_interleave(ratio, dim=1),
                                                   k[step].repeat_interleave(ratio, dim=1), v[step], g[step],
                                                   beta[step], state)
             outputs.append(o)
-            states.append(state)
-        states += [state] * (max_rows - lens[b])
         finals.append(state)
-        row_states.append(torch.stack(states))
-    return Case(q, k, v, g, beta, pool, state_index, cu, max_rows, torch.cat(outputs), torch.stack(finals),
-                torch.stack(row_states))
+    return Case(q, k, v, g, beta, pool, state_index, cu, max_rows, torch.cat(outputs), torch.stack(finals))
 
 
-def check_gdn_recurrent(fn, case: Case, device: str, dtype: torch.dtype, report, capture: bool = True,
+def poisoned_scratch(case: Case, device: str, v_dtype: torch.dtype) -> VerifyRowInputs:
+    """NaN verify scratch ``[B + EXTRA_SCRATCH, max_rows + EXTRA_SCRATCH, ...]`` for the case's shapes."""
+    seqs, rows = case.cu_seqlens.shape[0] - 1 + EXTRA_SCRATCH, case.max_rows + EXTRA_SCRATCH
+    nan = dict(fill_value=float("nan"), device=device)
+    return VerifyRowInputs(torch.full((seqs, rows, *case.k.shape[1:]), **nan),
+                           torch.full((seqs, rows, *case.v.shape[1:]), dtype=v_dtype, **nan),
+                           torch.full((seqs, rows, case.g.shape[1]), **nan),
+                           torch.full((seqs, rows, case.g.shape[1]), **nan))
+
+
+def check_stored_inputs(case: Case, scratch: VerifyRowInputs, dtype: torch.dtype) -> None:
+    """EXACT: row t of sequence b at ``[b, t]`` as the recurrence took it (q, k, v in ``dtype``; k, g, beta
+    stored as fp32, v as itself); every other scratch row still NaN."""
+    lens = case.lens
+    seq_index = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    row_in_seq = torch.cat([torch.arange(n) for n in lens])
+    written = torch.zeros(scratch.k.shape[:2], dtype=torch.bool)
+    written[seq_index, row_in_seq] = True
+    fed = (case.k.to(dtype).float(), case.v.to(dtype), case.g, case.beta)
+    for name, stored, x in zip(VerifyRowInputs._fields, scratch, fed):
+        stored = stored.cpu()
+        assert torch.equal(stored[seq_index, row_in_seq], x.to(stored.dtype)), f"stored {name} differs"
+        assert stored[~written].isnan().all(), f"a {name} scratch row past a sequence's rows was written"
+
+
+def check_gdn_recurrent(fn, case: Case, device: str, dtype: torch.dtype, report, store_inputs: bool = True,
                         **kwargs) -> None:
     """Run ``fn`` on the case (q, k, v in ``dtype``; g, beta and states fp32) and hold it to the reference."""
-    batch, max_rows = case.cu_seqlens.shape[0] - 1, case.max_rows
     pool = case.pool.to(device)
     pool_before = pool.clone()
-    scratch = None
-    if capture:
-        scratch = torch.full((batch + EXTRA_SCRATCH, max_rows + EXTRA_SCRATCH, *case.pool.shape[1:]), float("nan"),
-                             device=device)
+    scratch = poisoned_scratch(case, device, dtype) if store_inputs else None
     o, final = fn(case.q.to(device, dtype), case.k.to(device, dtype), case.v.to(device, dtype), case.g.to(device),
-                  case.beta.to(device), pool, case.cu_seqlens.to(device), max_rows,
-                  state_index=case.state_index.to(device), row_states=scratch, **kwargs)
+                  case.beta.to(device), pool, case.cu_seqlens.to(device), case.max_rows,
+                  state_index=case.state_index.to(device), verify_rows=scratch, **kwargs)
     name = str(dtype)[6:]
     assert o.dtype == torch.float32 and final.dtype == torch.float32
     assert pool.isnan().equal(pool_before.isnan()) and pool.nan_to_num().equal(pool_before.nan_to_num()), \
         "the state pool changed"
     report.numeric(f"o/{name}", o, case.expected_o, NUMERIC_BOUND[dtype])
     report.numeric(f"final/{name}", final, case.expected_final, NUMERIC_BOUND[dtype])
-    if capture:
-        outside = torch.ones(scratch.shape[:2], dtype=torch.bool)
-        outside[:batch, :max_rows] = False
-        assert scratch.cpu()[outside].isnan().all(), "a scratch row outside [:B, :max_rows] was written"
-        report.numeric(f"rows/{name}", scratch[:batch, :max_rows], case.expected_rows, NUMERIC_BOUND[dtype])
+    if store_inputs:
+        check_stored_inputs(case, scratch, dtype)
 
 
 SHAPES = [  # row counts per sequence, Hk, Hv, Dk, Dv, sequences starting from zeros
@@ -123,19 +142,37 @@ def test_gdn_recurrent_matches_reference(impl_device, report, shape):
         check_gdn_recurrent(fn, case, device, dtype, report, **kwargs)
 
 
-def test_gdn_recurrent_without_capture(impl_device, report):
-    """Decode: no scratch, the final states only; and capture without the final states returns None."""
+def test_gdn_recurrent_without_stored_inputs(impl_device, report):
+    """Decode: no scratch, the final states only; and stored inputs without the final states return None."""
     impl, device = impl_device
     fn = pick(impl, gated_delta_rule_verify_torch, gated_delta_rule_verify_triton)
     case = make_case([1, 1, 1], 2, 4, 16, 16, seed=3)
-    check_gdn_recurrent(fn, case, device, torch.float32, report, capture=False)
+    check_gdn_recurrent(fn, case, device, torch.float32, report, store_inputs=False)
     case = make_case([3, 2], 2, 4, 16, 16, seed=4)
-    scratch = torch.zeros(2, 3, 4, 16, 16, device=device)
-    _, final = fn(case.q.to(device), case.k.to(device), case.v.to(device), case.g.to(device), case.beta.to(device),
+    scratch = poisoned_scratch(case, device, torch.float32)
+    o, final = fn(case.q.to(device), case.k.to(device), case.v.to(device), case.g.to(device), case.beta.to(device),
                   case.pool.to(device), case.cu_seqlens.to(device), 3, state_index=case.state_index.to(device),
-                  row_states=scratch, output_final_state=False)
+                  verify_rows=scratch, output_final_state=False)
     assert final is None
-    report.numeric("rows/float32", scratch, case.expected_rows, NUMERIC_BOUND[torch.float32])
+    report.numeric("o/float32", o, case.expected_o, NUMERIC_BOUND[torch.float32])
+    check_stored_inputs(case, scratch, torch.float32)
+
+
+def test_gdn_recurrent_stores_bf16_v_into_fp32_scratch(impl_device, report):
+    """v stored into an fp32 scratch keeps its bf16 value exactly; fp32 v into a bf16 scratch is refused
+    (it would round, and the commit would replay other values than the recurrence used)."""
+    impl, device = impl_device
+    fn = pick(impl, gated_delta_rule_verify_torch, gated_delta_rule_verify_triton)
+    case = make_case([4, 2, 4], 2, 4, 16, 16, seed=10)
+    scratch = poisoned_scratch(case, device, torch.float32)
+    inputs = (case.q.to(device), case.k.to(device), case.v.to(device, torch.bfloat16), case.g.to(device),
+              case.beta.to(device), case.pool.to(device), case.cu_seqlens.to(device), 4)
+    fn(*inputs, state_index=case.state_index.to(device), verify_rows=scratch)
+    stored = scratch.v.cpu()[torch.repeat_interleave(torch.arange(3), torch.tensor(case.lens)),
+                             torch.cat([torch.arange(n) for n in case.lens])]
+    assert torch.equal(stored, case.v.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="no rounding"):
+        fn(*inputs[:2], case.v.to(device), *inputs[3:], verify_rows=poisoned_scratch(case, device, torch.bfloat16))
 
 
 @pytest.mark.parametrize("lens", [[1, 1, 1, 1], [3, 1, 2]], ids=["decode", "ragged"])
@@ -176,15 +213,18 @@ def test_gdn_recurrent_dense_states_without_index(impl_device, report):
     report.numeric("final/float32", final, case.expected_final, NUMERIC_BOUND[torch.float32])
 
 
-def test_planted_bug_capture_one_row_late_is_caught(impl_device, report):
-    """The state after row r written to scratch row r + 1 must fail."""
+def test_planted_bug_inputs_one_row_late_is_caught(impl_device, report):
+    """Each row's inputs stored at scratch row r + 1 must fail."""
     impl, device = impl_device
     fn = pick(impl, gated_delta_rule_verify_torch, gated_delta_rule_verify_triton)
 
-    def one_row_late(*args, row_states, **kwargs):
-        return fn(*args, row_states=row_states[:, 1:], **kwargs)
+    def one_row_late(*args, verify_rows, **kwargs):
+        out = fn(*args, verify_rows=verify_rows, **kwargs)
+        for t in verify_rows:
+            t[:, 1:] = t[:, :-1].clone()
+        return out
 
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="stored k differs"):
         check_gdn_recurrent(one_row_late, make_case([4, 2, 4], 2, 4, 16, 16, seed=6), device, torch.float32, report)
 
 
@@ -199,7 +239,7 @@ def test_planted_bug_wrong_starting_state_is_caught(impl_device, report):
         check_gdn_recurrent(fn, case, device, torch.float32, report)
 
 
-def _decay_after_update_torch(q, k, v, g, beta, initial_state, cu_seqlens, max_rows, *, state_index, row_states):
+def _decay_after_update_torch(q, k, v, g, beta, initial_state, cu_seqlens, max_rows, *, state_index, verify_rows):
     """A planted bug: S_t = exp(g_t) (S_{t-1} + k_t u_t^T) with u_t read from the undecayed state."""
     ratio = v.shape[1] // q.shape[1]
     outputs, finals = [], []
@@ -211,8 +251,6 @@ def _decay_after_update_torch(q, k, v, g, beta, initial_state, cu_seqlens, max_r
             u = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", s, kt))
             s = torch.exp(g[t])[:, None, None] * (s + kt[:, :, None] * u[:, None, :])
             outputs.append(torch.einsum("hkv,hk->hv", s, qt))
-            row_states[b, r] = s
-        row_states[b, len(rows):max_rows] = s
         finals.append(s)
     return torch.stack(outputs), torch.stack(finals)
 
@@ -220,4 +258,4 @@ def _decay_after_update_torch(q, k, v, g, beta, initial_state, cu_seqlens, max_r
 def test_planted_bug_decay_after_update_is_caught(report):
     with pytest.raises(AssertionError, match="rms-relative"):
         check_gdn_recurrent(_decay_after_update_torch, make_case([4, 2, 4], 2, 4, 16, 16, seed=8), "cpu",
-                            torch.float32, report)
+                            torch.float32, report, store_inputs=False)

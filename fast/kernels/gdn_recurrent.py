@@ -1,5 +1,6 @@
 """The gated delta rule row by row, for decode and verify steps, twin of
-``reference/delta_rule.gated_delta_rule_recurrent``.
+``reference/delta_rule.gated_delta_rule_recurrent``; and the one row update that the verify
+commit's replay (fast/kernels/gdn_commit.py) shares with it.
 
 B sequences; sequence b owns rows ``cu_seqlens[b] .. cu_seqlens[b+1]-1`` (at most ``max_rows``:
 1 for decode, k+1 for verify). Per value head h (key head ``h // (Hv / Hk)``), from the state
@@ -7,18 +8,22 @@ B sequences; sequence b owns rows ``cu_seqlens[b] .. cu_seqlens[b+1]-1`` (at mos
 
     S'_t = exp(g_t) S_{t-1};   u_t = beta_t (v_t - S'_t^T k_t);   S_t = S'_t + k_t u_t^T;   o_t = S_t^T q_t
 
-Inputs as ``ModelOps.gated_delta_rule`` receives them: q, k ``[N, Hk, Dk]`` already L2-normalised,
-q already scaled by ``Dk^-1/2``; v ``[N, Hv, Dv]``; g (log-decay), beta ``[N, Hv]``. Any float
-dtype in; all arithmetic in fp32; o ``[N, Hv, Dv]`` fp32.
+(the first three are :func:`delta_rule_step` and :func:`delta_rule_step_torch`). Inputs as
+``ModelOps.gated_delta_rule`` receives them: q, k ``[N, Hk, Dk]`` already L2-normalised, q already
+scaled by ``Dk^-1/2``; v ``[N, Hv, Dv]``; g (log-decay), beta ``[N, Hv]``. Any float dtype in; all
+arithmetic in fp32; o ``[N, Hv, Dv]`` fp32.
 
 State in: ``initial_state`` fp32 ``[S, Hv, Dk, Dv]``; sequence b starts from row
 ``state_index[b]`` of it (default b; a negative index starts from zeros and reads nothing, so a
-NaN there cannot leak). State out, any of:
+NaN there cannot leak). Out, any of:
 
-- ``row_states`` (verify capture): fp32 ``[>= B, >= max_rows, Hv, Dk, Dv]`` receives the state
-  after every row r < ``max_rows`` at ``[b, r]``; rows of a sequence shorter than ``max_rows``
-  carry its final state on (as the torch path does). Nothing else in it is written; the slots
-  are never touched (the engine's commit installs the state it keeps).
+- ``verify_rows`` (verify: rollback by replay): a :class:`VerifyRowInputs` receives every row's
+  recurrence inputs at ``[b, r]`` (r < the sequence's row count): k fp32 ``[>= B, >= max_rows,
+  Hk, Dk]``, v ``[.., Hv, Dv]`` (v's dtype or fp32, so stored without rounding), g, beta fp32
+  ``[.., Hv]``, exactly the fp32 values the recurrence used. Nothing else in it is written, and
+  the states are never written on a verify: the commit replays the kept rows from the slot's
+  pre-step state (at Hv = 32, Hk = 16, Dk = Dv = 128, bf16 and 8 rows: 130 KiB of inputs per
+  layer and sequence, where a state per row took 16 MiB).
 - ``output_final_state``: the state after each sequence's last row, fp32 ``[B, Hv, Dk, Dv]``.
 - ``final_state_index`` (decode): the same final states written in place into the pool
   ``initial_state`` at row ``final_state_index[b]``. Safe with ``state_index`` pointing at the same
@@ -31,12 +36,19 @@ device as a fallback). ``gated_delta_rule_verify_triton``: one program per (sequ
 Dv block of ``block_v``) keeps its ``[Dk, block_v]`` slice of the state in registers and walks
 the rows (the row count is a constexpr: ``max_rows`` itself up to 16, else the next power of two,
 so a prefill of any length compiles a handful of variants; rows past a sequence's end are masked
-to g = 0, beta = 0, k = 0, which leaves the state exactly unchanged). The products are
-elementwise with fp32 reductions over Dk, no tensor cores, so fp32 inputs match the reference to
-rounding.
+to g = 0, beta = 0, k = 0, which leaves the state unchanged). The program of a value head's first
+Dv block stores the row's g and beta (and k, for the first value head of each key head); every
+program stores its own slice of v. The products are elementwise with fp32 reductions over Dk,
+no tensor cores, so fp32 inputs match the reference to rounding.
+
+The commit's replay runs :func:`delta_rule_step` on the same ``[DK_PAD, block_v]`` tiles
+(``default_block_v``) with ``NUM_WARPS`` warps, so ``tl.sum`` reduces in the same order and the
+replayed state is bit for bit the state this kernel reached after the same rows.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -44,6 +56,43 @@ from torch import Tensor
 from .triton_compat import tl, triton
 
 EXACT_ROWS = 16  # up to this many rows the loop length is max_rows itself; above, the next power of two
+NUM_WARPS = 4  # of every state-tile program, here and in the commit's replay: one layout, one tl.sum order
+
+
+class VerifyRowInputs(NamedTuple):
+    """The recurrence inputs of every row of a verify step, at ``[..., b, r]`` (b the sequence's index in
+    the batch, r its row): what the commit replays the kept rows from. Leading axes ``[...]``: none for
+    one layer, ``[L]`` for the pools' stack."""
+    k: Tensor  # [..., B', R, Hk, Dk] fp32, L2-normalised
+    v: Tensor  # [..., B', R, Hv, Dv] in v's dtype or fp32
+    g: Tensor  # [..., B', R, Hv] fp32, log-decay
+    beta: Tensor  # [..., B', R, Hv] fp32
+
+
+def default_block_v(value_dim: int) -> int:
+    """The Dv slice of one state-tile program, unless the launcher is given another."""
+    return min(32, triton.next_power_of_2(value_dim))
+
+
+def delta_rule_step_torch(s: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+    """One row: ``S'_t = exp(g_t) S_{t-1}; u_t = beta_t (v_t - S'_t^T k_t); S_t = S'_t + k_t u_t^T``, fp32.
+
+    s ``[B, Hv, Dk, Dv]``; k ``[B, Hv, Dk]`` (already repeated to the value heads); v ``[B, Hv, Dv]``;
+    g, beta ``[B, Hv]``. Returns S_t. The product is a ``[1, Dk] @ [Dk, Dv]`` matmul per head: the bmm
+    an einsum would run, without its parsing (which costs more than the arithmetic at decode sizes).
+    """
+    s = torch.exp(g)[..., None, None] * s  # S'_t
+    predicted = (k[..., None, :] @ s)[..., 0, :]  # S'_t^T k_t                         [B, Hv, Dv]
+    u = beta[..., None] * (v - predicted)  # u_t                                      [B, Hv, Dv]
+    return s + k[..., :, None] * u[..., None, :]  # S_t = S'_t + k_t u_t^T            [B, Hv, Dk, Dv]
+
+
+def store_row_inputs_torch(verify_rows: VerifyRowInputs, seq_index: Tensor, row_in_seq: Tensor, k: Tensor,
+                           v: Tensor, g: Tensor, beta: Tensor) -> None:
+    """``verify_rows[seq_index[n], row_in_seq[n]] = row n's (k, v, g, beta)``, k, g, beta as fp32
+    (k ``[N, Hk, Dk]``, v ``[N, Hv, Dv]``, g, beta ``[N, Hv]``)."""
+    for scratch, x in zip(verify_rows, (k.float(), v, g.float(), beta.float())):
+        scratch[seq_index, row_in_seq] = x.to(scratch.dtype)
 
 
 def check_gdn_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor) -> None:
@@ -60,8 +109,27 @@ def check_gdn_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, i
                          f"{value_dim}]")
 
 
+def check_verify_rows(verify_rows: VerifyRowInputs, leading: tuple[int, ...], key_heads: int, key_dim: int,
+                      value_heads: int, value_dim: int) -> tuple[int, int]:
+    """``verify_rows`` of shapes ``[*leading, B', R, ...]`` (module docstring) with k, g, beta fp32.
+    Returns ``(B', R)``."""
+    k, v, g, beta = verify_rows
+    if k.dim() != len(leading) + 4 or tuple(k.shape[:len(leading)]) != leading:
+        raise ValueError(f"verify_rows.k {list(k.shape)}: expected [{', '.join(map(str, leading + ('B', 'R')))}, "
+                         f"{key_heads}, {key_dim}]")
+    seqs_rows = tuple(k.shape[:len(leading) + 2])
+    expected = {"k": (*seqs_rows, key_heads, key_dim), "v": (*seqs_rows, value_heads, value_dim),
+                "g": (*seqs_rows, value_heads), "beta": (*seqs_rows, value_heads)}
+    for name, t in zip(VerifyRowInputs._fields, verify_rows):
+        if tuple(t.shape) != expected[name]:
+            raise ValueError(f"verify_rows.{name} {list(t.shape)}: expected {list(expected[name])}")
+        if name != "v" and t.dtype != torch.float32:
+            raise ValueError(f"verify_rows.{name} {t.dtype}: expected fp32")
+    return seqs_rows[-2], seqs_rows[-1]
+
+
 def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, cu_seqlens: Tensor,
-           max_rows: int, state_index: Tensor | None, row_states: Tensor | None,
+           max_rows: int, state_index: Tensor | None, verify_rows: VerifyRowInputs | None,
            final_state_index: Tensor | None = None) -> int:
     check_gdn_inputs(q, k, v, g, beta, initial_state)
     rows, key_heads, key_dim = q.shape
@@ -76,29 +144,32 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_sta
     if final_state_index is not None and (final_state_index.shape != (batch,) or initial_state.dtype != torch.float32):
         raise ValueError(f"final_state_index {list(final_state_index.shape)} into {initial_state.dtype} states: "
                          f"expected [{batch}] into fp32")
-    if row_states is not None:
-        if (row_states.dim() != 5 or row_states.shape[0] < batch or row_states.shape[1] < max_rows
-                or row_states.shape[2:] != initial_state.shape[1:] or row_states.dtype != torch.float32):
-            raise ValueError(f"row_states {list(row_states.shape)} {row_states.dtype}: expected fp32 [>= {batch}, "
-                             f">= {max_rows}, {value_heads}, {key_dim}, {value_dim}]")
+    if verify_rows is not None:
+        seqs, scratch_rows = check_verify_rows(verify_rows, (), key_heads, key_dim, value_heads, value_dim)
+        if seqs < batch or scratch_rows < max_rows:
+            raise ValueError(f"verify_rows [{seqs}, {scratch_rows}, ...]: expected [>= {batch}, >= {max_rows}, ...]")
+        if verify_rows.v.dtype not in (v.dtype, torch.float32):
+            raise ValueError(f"verify_rows.v {verify_rows.v.dtype}: expected v's {v.dtype} or fp32 (no rounding)")
     return batch
 
 
 def gated_delta_rule_verify_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
                                   cu_seqlens: Tensor, max_rows: int, *, state_index: Tensor | None = None,
-                                  row_states: Tensor | None = None, output_final_state: bool = True,
+                                  verify_rows: VerifyRowInputs | None = None, output_final_state: bool = True,
                                   final_state_index: Tensor | None = None,
                                   block_v: int | None = None) -> tuple[Tensor, Tensor | None]:
     """q, k [N, Hk, Dk], v [N, Hv, Dv], g, beta [N, Hv], initial_state fp32 [S, Hv, Dk, Dv], cu_seqlens [B+1]
     (at most ``max_rows`` rows each). Returns ``(o [N, Hv, Dv] fp32, final state [B, Hv, Dk, Dv] fp32 or None)``;
-    fills ``row_states[:B, :max_rows]`` when given, and ``initial_state[final_state_index]`` with the final
-    states when given. ``block_v`` is the Triton launcher's and unused here."""
-    batch = _check(q, k, v, g, beta, initial_state, cu_seqlens, max_rows, state_index, row_states, final_state_index)
+    stores every row's inputs in ``verify_rows`` when given, and the final states in
+    ``initial_state[final_state_index]`` when given. ``block_v`` is the Triton launcher's and unused here."""
+    batch = _check(q, k, v, g, beta, initial_state, cu_seqlens, max_rows, state_index, verify_rows, final_state_index)
     rows, value_heads = v.shape[:2]
     ratio = value_heads // q.shape[1]
     cu = cu_seqlens.long()
     seq_index = torch.searchsorted(cu[1:], torch.arange(rows, device=q.device), right=True)  # [N]
     row_in_seq = torch.arange(rows, device=q.device) - cu[seq_index]
+    if verify_rows is not None:
+        store_row_inputs_torch(verify_rows, seq_index, row_in_seq, k, v, g, beta)
 
     def pad(x: Tensor) -> Tensor:  # [N, ...] -> [B, max_rows, ...], zeros past each sequence's rows
         out = x.new_zeros((batch, max_rows, *x.shape[1:]))
@@ -114,13 +185,8 @@ def gated_delta_rule_verify_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
         s = torch.where(readable[:, None, None, None], initial_state[state_index.clamp(min=0)].float(), 0.0)
     outputs = []
     for t in range(max_rows):
-        s = torch.exp(g[:, t])[..., None, None] * s  # S'_t
-        predicted = torch.einsum("bhkv,bhk->bhv", s, k[:, t])  # S'_t^T k_t        [B, Hv, Dv]
-        u = beta[:, t, :, None] * (v[:, t] - predicted)  # u_t                       [B, Hv, Dv]
-        s = s + k[:, t, :, :, None] * u[:, :, None, :]  # S_t                        [B, Hv, Dk, Dv]
-        outputs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))  # o_t = S_t^T q_t
-        if row_states is not None:
-            row_states[:batch, t] = s
+        s = delta_rule_step_torch(s, k[:, t], v[:, t], g[:, t], beta[:, t])  # S_t
+        outputs.append((q[:, t, :, None, :] @ s)[..., 0, :])  # o_t = S_t^T q_t   [B, Hv, Dv]
     o = torch.stack(outputs, dim=1)[seq_index, row_in_seq]  # [N, Hv, Dv]
     if final_state_index is not None:  # s was computed from a copy of the starting states
         initial_state.index_copy_(0, final_state_index.long(), s)
@@ -130,12 +196,21 @@ def gated_delta_rule_verify_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
 # -- Triton ---------------------------------------------------------------------------------------
 
 @triton.jit
+def delta_rule_step(s, k, v, g, beta):
+    """One row on a ``[DK_PAD, BLOCK_V]`` state tile (fp32): k ``[DK_PAD]``, v ``[BLOCK_V]``, g, beta scalars.
+    The recurrence and the commit's replay both call this, so both run the same statements."""
+    s = s * tl.exp(g)  # S'_t
+    u = beta * (v - tl.sum(s * k[:, None], axis=0))  # u_t = beta_t (v_t - S'_t^T k_t)   [BLOCK_V]
+    return s + k[:, None] * u[None, :]  # S_t = S'_t + k_t u_t^T
+
+
+@triton.jit
 def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, state_index_ptr, cu_ptr, o_ptr,
-                          final_ptr, rows_ptr, final_index_ptr, stride_q, stride_k, stride_v, stride_g,
-                          stride_beta, stride_h0, stride_rows_b, stride_rows_r, max_rows,
-                          ROWS: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr,
-                          DV: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
-                          USE_STATE_INDEX: tl.constexpr, CAPTURE: tl.constexpr, STORE_FINAL: tl.constexpr,
+                          final_ptr, final_index_ptr, rows_k_ptr, rows_v_ptr, rows_g_ptr, rows_beta_ptr, stride_q,
+                          stride_k, stride_v, stride_g, stride_beta, stride_h0, scratch_rows,
+                          ROWS: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr,
+                          DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
+                          USE_STATE_INDEX: tl.constexpr, STORE_INPUTS: tl.constexpr, STORE_FINAL: tl.constexpr,
                           STORE_IN_POOL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -146,6 +221,8 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, state_in
     in_v = dv < DV
     in_s = in_k[:, None] & in_v[None, :]
     s_offs = h * (DK * DV) + dk[:, None] * DV + dv[None, :]  # within one [Hv, Dk, Dv] state
+    stores_gates = tl.program_id(2) == 0  # one program per value head stores g, beta
+    stores_k = stores_gates & (h % RATIO == 0)  # and one per key head k
 
     bos = tl.load(cu_ptr + b).to(tl.int64)
     seq_len = tl.load(cu_ptr + b + 1).to(tl.int64) - bos
@@ -157,21 +234,22 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, state_in
         s = tl.load(h0_ptr + b.to(tl.int64) * stride_h0 + s_offs, mask=in_s, other=0.0).to(tl.float32)
 
     for r in range(ROWS):
-        active = r < seq_len  # rows past the sequence: g = beta = k = 0 leaves S exactly as it is
+        active = r < seq_len  # rows past the sequence: g = beta = k = 0 leaves S as it is
         n = bos + r
         q = tl.load(q_ptr + n * stride_q + key_head * DK + dk, mask=in_k & active, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + n * stride_k + key_head * DK + dk, mask=in_k & active, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + n * stride_v + h * DV + dv, mask=in_v & active, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + n * stride_g + h, mask=active, other=0.0).to(tl.float32)
         beta = tl.load(beta_ptr + n * stride_beta + h, mask=active, other=0.0).to(tl.float32)
-        s = s * tl.exp(g)  # S'_t
-        u = beta * (v - tl.sum(s * k[:, None], axis=0))  # u_t = beta_t (v_t - S'_t^T k_t)   [BLOCK_V]
-        s = s + k[:, None] * u[None, :]  # S_t = S'_t + k_t u_t^T
+        s = delta_rule_step(s, k, v, g, beta)
         o = tl.sum(s * q[:, None], axis=0)  # o_t = S_t^T q_t
         tl.store(o_ptr + n * (HV * DV) + h * DV + dv, o, mask=in_v & active)
-        if CAPTURE:
-            tl.store(rows_ptr + b.to(tl.int64) * stride_rows_b + r * stride_rows_r + s_offs, s,
-                     mask=in_s & (r < max_rows))
+        if STORE_INPUTS:  # dense [B', R, ...] scratch; v rounds back to its own dtype exactly
+            row = b.to(tl.int64) * scratch_rows + r
+            tl.store(rows_v_ptr + row * (HV * DV) + h * DV + dv, v, mask=in_v & active)
+            tl.store(rows_g_ptr + row * HV + h, g, mask=active & stores_gates)
+            tl.store(rows_beta_ptr + row * HV + h, beta, mask=active & stores_gates)
+            tl.store(rows_k_ptr + row * (HK * DK) + key_head * DK + dk, k, mask=in_k & active & stores_k)
     if STORE_FINAL:
         tl.store(final_ptr + b.to(tl.int64) * (HV * DK * DV) + s_offs, s, mask=in_s)
     if STORE_IN_POOL:  # in place: this program read its tile of the pool above, before the row loop
@@ -187,37 +265,38 @@ def _rows_ok(t: Tensor) -> Tensor:
 
 def gated_delta_rule_verify_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
                                    cu_seqlens: Tensor, max_rows: int, *, state_index: Tensor | None = None,
-                                   row_states: Tensor | None = None, output_final_state: bool = True,
+                                   verify_rows: VerifyRowInputs | None = None, output_final_state: bool = True,
                                    final_state_index: Tensor | None = None,
                                    block_v: int | None = None) -> tuple[Tensor, Tensor | None]:
     """``gated_delta_rule_verify_torch`` by the Triton kernel (same arguments and result); ``block_v``
-    (a power of two) is the Dv slice each program keeps, default ``min(32, next_power_of_2(Dv))``."""
-    batch = _check(q, k, v, g, beta, initial_state, cu_seqlens, max_rows, state_index, row_states, final_state_index)
+    (a power of two) is the Dv slice each program keeps, default ``default_block_v(Dv)``. ``verify_rows``
+    must be contiguous (the pools' per-layer views are)."""
+    batch = _check(q, k, v, g, beta, initial_state, cu_seqlens, max_rows, state_index, verify_rows, final_state_index)
     rows, value_heads, value_dim = v.shape
     key_heads, key_dim = q.shape[1:]
     q, k, v = (_rows_ok(t) for t in (q, k, v))
     g, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, beta))
     if initial_state.dtype != torch.float32 or not initial_state[0:1].is_contiguous():
         raise ValueError("initial_state: expected fp32 with dense [Hv, Dk, Dv] states")
-    if row_states is not None and not row_states[0, 0:1].is_contiguous():
-        raise ValueError("row_states: expected dense [Hv, Dk, Dv] states")
-    block_v = min(32, triton.next_power_of_2(value_dim)) if block_v is None else block_v
+    if verify_rows is not None and not all(t.is_contiguous() for t in verify_rows):
+        raise ValueError("verify_rows: expected contiguous tensors")
+    block_v = default_block_v(value_dim) if block_v is None else block_v
     o = torch.empty((rows, value_heads, value_dim), dtype=torch.float32, device=q.device)
     final = (torch.empty((batch, value_heads, key_dim, value_dim), dtype=torch.float32, device=q.device)
              if output_final_state else None)
     if batch == 0:
         return o, final
     dummy = o  # stands in for the pointers a constexpr switch leaves unread
+    scratch = (dummy,) * 4 if verify_rows is None else tuple(verify_rows)
     _gdn_recurrent_kernel[(batch, value_heads, triton.cdiv(value_dim, block_v))](
         q, k, v, g, beta, initial_state,
         dummy if state_index is None else state_index.to(torch.int64).contiguous(),
-        cu_seqlens.contiguous(), o, dummy if final is None else final, dummy if row_states is None else row_states,
-        dummy if final_state_index is None else final_state_index.contiguous(), q.stride(0), k.stride(0),
+        cu_seqlens.contiguous(), o, dummy if final is None else final,
+        dummy if final_state_index is None else final_state_index.contiguous(), *scratch, q.stride(0), k.stride(0),
         v.stride(0), g.stride(0), beta.stride(0), initial_state.stride(0),
-        0 if row_states is None else row_states.stride(0), 0 if row_states is None else row_states.stride(1),
-        max_rows,
-        ROWS=max_rows if max_rows <= EXACT_ROWS else triton.next_power_of_2(max_rows), HV=value_heads,
+        0 if verify_rows is None else verify_rows.k.shape[1],
+        ROWS=max_rows if max_rows <= EXACT_ROWS else triton.next_power_of_2(max_rows), HK=key_heads, HV=value_heads,
         RATIO=value_heads // key_heads, DK=key_dim, DV=value_dim, DK_PAD=triton.next_power_of_2(key_dim),
-        BLOCK_V=block_v, USE_STATE_INDEX=state_index is not None, CAPTURE=row_states is not None,
-        STORE_FINAL=final is not None, STORE_IN_POOL=final_state_index is not None)
+        BLOCK_V=block_v, USE_STATE_INDEX=state_index is not None, STORE_INPUTS=verify_rows is not None,
+        STORE_FINAL=final is not None, STORE_IN_POOL=final_state_index is not None, num_warps=NUM_WARPS)
     return o, final

@@ -35,7 +35,7 @@ class ForwardBatch:
     kv_slot_mapping: Tensor  # [N] long: flat KV slot (page * page_size + offset) for row n's K/V; PAD_SLOT writes nothing
     block_tables: Tensor  # [B, max_pages] int32: the KV pages of each sequence, in order (-1 past the end)
     context_lens: Tensor  # [B] long: tokens in each sequence's KV after this step's writes
-    is_verify: bool  # decode/verify batch: keep the GDN state after every row so ``commit`` can pick one
+    is_verify: bool  # decode/verify batch: keep each row's GDN inputs so ``commit`` can replay some
     logits_rows: Tensor  # [M] long: the rows whose logits the step needs
     max_query_len: int | None = None  # host-side max of seq_lens; None: read from cu_seqlens (one sync)
 

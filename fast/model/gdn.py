@@ -10,9 +10,9 @@ For the normalised input rows x (one fused matmul gives c, z, b, a)::
 
 Each sequence starts from its slot (or from zeros: ``StepMeta.zero_state``). A prefill or decode
 step writes the final conv and recurrent states back to the slot. A verify step
-(``is_verify``) leaves the slots alone and fills the verify scratch instead: the recurrent state
-after every row and every row's conv input, from which ``pools.commit_verify`` installs the state
-after the last kept row.
+(``is_verify``) leaves the slots alone and fills the verify scratch instead (rollback by replay):
+every row's conv input and its recurrence inputs (k, v, g, beta: a ``VerifyRowInputs``), from
+which ``pools.commit_verify`` replays the kept rows on the slot's pre-step state.
 
 Everything between the input projection and the recurrence (verify-input capture, the conv and
 its state, silu, the L2 norms, g and beta) is :func:`gdn_prologue`: on CUDA, decode and verify
@@ -37,7 +37,8 @@ from dflash2.reference.formats.config import TargetConfig
 
 from ..kernels.gdn_prefill import fla_available, gated_delta_rule_prefill_fla
 from ..kernels.gdn_prologue import gdn_prologue_triton
-from ..kernels.gdn_recurrent import gated_delta_rule_verify_triton
+from ..kernels.gdn_recurrent import (VerifyRowInputs, delta_rule_step_torch, gated_delta_rule_verify_triton,
+                                     store_row_inputs_torch)
 from ..kernels.triton_compat import use_triton
 from .norm import gated_rms_norm
 from .params import Params
@@ -70,50 +71,44 @@ def causal_conv1d_torch(x: Tensor, conv_state: Tensor, weight: Tensor, meta: Ste
 
 
 def gated_delta_rule_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, meta: StepMeta,
-                           row_states: Tensor | None) -> tuple[Tensor, Tensor]:
+                           verify_rows: VerifyRowInputs | None) -> tuple[Tensor, Tensor]:
     """The gated delta rule per sequence, a loop over time (reference/model/delta_rule.py), in fp32.
 
     q, k: ``[N, Hk, Dk]`` (q already scaled; key head i serves value heads i*r .. i*r+r-1);
     v: ``[N, Hv, Dv]``; g, beta: ``[N, Hv]``; state: fp32 ``[B, Hv, Dk, Dv]`` the starting states.
-    ``row_states`` (verify): fp32 ``[>= B, >= Tq, Hv, Dk, Dv]``, receives the state after each row.
-    Returns ``(o [N, Hv, Dv] fp32, final states [B, Hv, Dk, Dv] fp32)``.
+    ``verify_rows`` (verify): receives every row's k, v, g, beta at ``[seq_index, row_in_seq]``
+    (fast/kernels/gdn_recurrent.py). Returns ``(o [N, Hv, Dv] fp32, final states [B, Hv, Dk, Dv] fp32)``.
+    Each row is ``delta_rule_step_torch``, the step the torch commit replays, so the replayed state
+    is this loop's state after the same rows, bit for bit.
     """
+    if verify_rows is not None:
+        store_row_inputs_torch(verify_rows, meta.seq_index, meta.row_in_seq, k, v, g, beta)
     ratio = v.shape[1] // q.shape[1]
     q, k = (meta.pad(t.float().repeat_interleave(ratio, dim=1)) for t in (q, k))  # [B, Tq, Hv, Dk]
     v, g, beta = (meta.pad(t.float()) for t in (v, g, beta))  # [B, Tq, Hv, Dv], [B, Tq, Hv] x2
     s = state.float().clone()  # [B, Hv, Dk, Dv]
-    # the per-step products as [1, Dk] @ [Dk, Dv] matmuls: the bmm einsum would run, without its
-    # parsing (which cost more than the arithmetic at decode sizes); the decays in one exp
-    decay = torch.exp(g)[..., None, None]  # [B, Tq, Hv, 1, 1]
-    k_rows, q_rows = k[..., None, :], q[..., None, :]  # [B, Tq, Hv, 1, Dk]
+    q_rows = q[..., None, :]  # [B, Tq, Hv, 1, Dk]: o_t as a [1, Dk] @ [Dk, Dv] matmul per head
     outputs = []
     for t in range(meta.max_query_len):
-        s = decay[:, t] * s  # S'_t
-        predicted = (k_rows[:, t] @ s)[..., 0, :]  # S'_t^T k_t                     [B, Hv, Dv]
-        u = beta[:, t, :, None] * (v[:, t] - predicted)  # u_t                       [B, Hv, Dv]
-        s = s + k[:, t, :, :, None] * u[:, :, None, :]  # S_t = S'_t + k_t u_t^T     [B, Hv, Dk, Dv]
+        s = delta_rule_step_torch(s, k[:, t], v[:, t], g[:, t], beta[:, t])  # S_t
         outputs.append((q_rows[:, t] @ s)[..., 0, :])  # o_t = S_t^T q_t
-        if row_states is not None:
-            row_states[:meta.num_seqs, t] = s
     return meta.unpad(torch.stack(outputs, dim=1)), s
 
 
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, meta: StepMeta,
-                     row_states: Tensor | None) -> tuple[Tensor, Tensor]:
+                     verify_rows: VerifyRowInputs | None) -> tuple[Tensor, Tensor]:
     """``gated_delta_rule_torch``'s contract, by the kernels on CUDA.
 
-    Decode and verify steps (and any fp32 step) run the Triton recurrence, which fills the verify
-    scratch row by row; the final state it returns on a verify step is the scratch row
-    ``Tq - 1``, as the torch form's. Prefill steps of a bf16/fp16 model run fla's chunked
-    kernels where flash-linear-attention is installed, else the same Triton recurrence.
+    Decode and verify steps (and any fp32 step) run the Triton recurrence, which stores the verify
+    rows' inputs as it walks them. Prefill steps of a bf16/fp16 model run fla's chunked kernels
+    where flash-linear-attention is installed, else the same Triton recurrence.
     """
     if not use_triton(q, k, v, state):
-        return gated_delta_rule_torch(q, k, v, g, beta, state, meta, row_states)
-    if row_states is None and meta.max_query_len > 1 and v.dtype != torch.float32 and fla_available():
+        return gated_delta_rule_torch(q, k, v, g, beta, state, meta, verify_rows)
+    if verify_rows is None and meta.max_query_len > 1 and v.dtype != torch.float32 and fla_available():
         return gated_delta_rule_prefill_fla(q, k, v, g, beta, state, meta.cu_seqlens)
-    o, final = gated_delta_rule_verify_triton(q, k, v, g, beta, state, meta.cu_seqlens, meta.max_query_len,
-                                              row_states=row_states, output_final_state=row_states is None)
-    return o, (final if row_states is None else row_states[:meta.num_seqs, meta.max_query_len - 1])
+    return gated_delta_rule_verify_triton(q, k, v, g, beta, state, meta.cu_seqlens, meta.max_query_len,
+                                          verify_rows=verify_rows)
 
 
 def gdn_prologue_torch(conv_in: Tensor, b: Tensor, a: Tensor, conv_states: Tensor, conv_weight: Tensor,
@@ -185,10 +180,10 @@ class FastGDN:
 
         verify_inputs = None
         if meta.is_verify:
-            scratch_rows = slots.verify_recurrent.shape[1]
-            if meta.num_seqs > slots.verify_recurrent.shape[0] or meta.max_query_len > scratch_rows:
+            scratch_seqs, scratch_rows = slots.verify_conv_inputs.shape[:2]
+            if meta.num_seqs > scratch_seqs or meta.max_query_len > scratch_rows:
                 raise ValueError(f"verify batch of {meta.num_seqs} sequences x {meta.max_query_len} rows exceeds the "
-                                 f"scratch ({slots.verify_recurrent.shape[0]} x {scratch_rows})")
+                                 f"scratch ({scratch_seqs} x {scratch_rows})")
             verify_inputs = slots.verify_conv_inputs
         q, k, v, g, beta = gdn_prologue(conv_in, b, a, slots.conv_storage, self.conv_weight, self.neg_decay,
                                         self.dt_bias, meta, hk, dk, verify_inputs, self.causal_conv1d)
@@ -199,24 +194,24 @@ class FastGDN:
 
     def _recurrence(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, meta: StepMeta,
                     slots: GDNSlots) -> Tensor:
-        """The gated delta rule from the slots' states; writes the final states back (the verify scratch instead
-        on a verify step). Returns o ``[N, Hv, Dv]`` fp32.
+        """The gated delta rule from the slots' states; writes the final states back (on a verify step
+        stores the rows' inputs in the verify scratch instead). Returns o ``[N, Hv, Dv]`` fp32.
 
         With the default op on CUDA, decode and verify steps hand the kernel the slot pool and each
         sequence's slot to read (``meta.readable_state_index``: -1 for the zero state, one ``where``
         per step) instead of a gathered copy of the states, and a decode step has the kernel write
         the final states into the slots in place: no state-sized copy at all, the same result.
         """
-        row_states = slots.verify_recurrent if meta.is_verify else None
+        verify_rows = slots.verify_rows if meta.is_verify else None
         if (self.gated_delta_rule is gated_delta_rule and use_triton(q, slots.recurrent_storage)
                 and (meta.is_verify or meta.max_query_len == 1)):
             o, _ = gated_delta_rule_verify_triton(q, k, v, g, beta, slots.recurrent_storage, meta.cu_seqlens,
                                                   meta.max_query_len, state_index=meta.readable_state_index,
-                                                  row_states=row_states, output_final_state=False,
+                                                  verify_rows=verify_rows, output_final_state=False,
                                                   final_state_index=None if meta.is_verify else meta.state_index)
             return o
         start = slots.read_recurrent(meta.state_index, meta.zero_state)
-        o, final = self.gated_delta_rule(q, k, v, g, beta, start, meta, row_states)
+        o, final = self.gated_delta_rule(q, k, v, g, beta, start, meta, verify_rows)
         if not meta.is_verify:  # the prologue wrote the conv state
             slots.recurrent_storage.index_copy_(0, meta.state_index, final.float())
         return o

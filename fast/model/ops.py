@@ -16,7 +16,8 @@ a GDN decode or verify step runs the conv, the gates and the L2 norms as one pro
 - ``paged_attention(q [N, H, D], key_cache [S, Hkv, D], value_cache [S, Hkv, D], meta) -> [N, H, D]``
 - ``causal_conv1d(x [N, Cd], conv_state [B, Cd, K-1], weight [Cd, K], meta) -> (silu(y) [N, Cd], state [B, Cd, K-1])``
 - ``gated_delta_rule(q [N, Hk, Dk], k [N, Hk, Dk], v [N, Hv, Dv], g [N, Hv], beta [N, Hv],
-  state [B, Hv, Dk, Dv], meta, row_states [B', R, Hv, Dk, Dv] | None) -> (o [N, Hv, Dv], state [B, Hv, Dk, Dv])``
+  state [B, Hv, Dk, Dv], meta, verify_rows [B', R, ...] | None) -> (o [N, Hv, Dv], state [B, Hv, Dk, Dv])``
+  (``verify_rows``: a ``VerifyRowInputs`` that receives every verify row's k, v, g, beta)
 - ``moe_experts(x [N, C], expert_ids [N, k], weights [N, k], gate_up [E, 2I, C], down [E, C, I]) -> [N, C] fp32``
 """
 

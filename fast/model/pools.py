@@ -19,16 +19,20 @@ GDN state slots (linear-attention layers), one slot per running sequence (plus a
 the end, written by padding sequences): ``conv [num_slots, conv_dim, K-1]`` (the last K-1 conv
 inputs, oldest first, in the pool dtype) and ``recurrent [num_slots, Hv, Dk, Dv]`` (always fp32).
 
-Verify scratch (GDN rollback by per-row capture). A verify step runs ``[anchor, drafts]`` (up to
-``max_verify_rows`` rows per sequence) without touching the slots; it keeps, for the sequence at
-batch index b and row r, the recurrent state after row r in ``verify_recurrent[b, r]`` and the
-row's conv input in ``verify_conv_inputs[b, r]``. :func:`commit_verify` then installs the state
-after row ``num_rows_kept - 1``: the recurrent state is copied, and the conv state is derived, since
-the conv state after row r is the last K-1 entries of [pre-step conv state ; inputs of rows 0..r]
-and the pre-step state is still in the slot. Storing inputs instead of K-1 wide conv states keeps
-the conv scratch (K-1)x smaller. The four GDN tensors of all layers are allocated stacked on a
-leading layer axis (:class:`GDNStack`; each layer's :class:`GDNSlots` are views), so the commit of
-every layer is one kernel launch on CUDA (fast/kernels/gdn_commit.py).
+Verify scratch (GDN rollback by replay). A verify step runs ``[anchor, drafts]`` (up to
+``max_verify_rows`` rows per sequence) without touching the slots, so each slot keeps its pre-step
+state; for the sequence at batch index b and its row r it stores the row's recurrence inputs in
+``verify_rows`` (a ``VerifyRowInputs``: k fp32 ``[b, r, Hk, Dk]``, v ``[b, r, Hv, Dv]`` in the pool
+dtype, g and beta fp32 ``[b, r, Hv]``) and the row's conv input in ``verify_conv_inputs[b, r]``.
+:func:`commit_verify` then installs the state after row ``num_rows_kept - 1``: the recurrent state
+by replaying rows 0 .. kept-1 on the slot's state (``S'_r = exp(g_r) S``, ``u_r = beta_r (v_r -
+S'_r^T k_r)``, ``S = S'_r + k_r u_r^T``: fast/kernels/gdn_commit.py), the conv state as the last K-1
+entries of [pre-step conv state ; inputs of rows 0..kept-1]. Inputs instead of per-row states keep
+the scratch small: per row and layer ``Hk Dk + 2 Hv`` fp32 and ``Hv Dv`` pool-dtype recurrence
+inputs plus ``Cd`` conv inputs, 32.25 KiB at the MoE shape (Hv = 32, Hk = 16, Dk = Dv = 128, bf16;
+half of it the conv input) where one state is 2 MiB. The GDN tensors of all layers are allocated
+stacked on a leading layer axis (:class:`GDNStack`; each layer's :class:`GDNSlots` are views), so
+the commit of every layer is one kernel launch on CUDA.
 
 Fresh buffers are zeros, or NaN with ``poison=True`` (tests: a read of memory nobody wrote turns
 the output into NaN).
@@ -42,6 +46,7 @@ from torch import Tensor
 from dflash2.reference.formats.config import TargetConfig
 
 from ..kernels.gdn_commit import commit_verify_torch, commit_verify_triton
+from ..kernels.gdn_recurrent import VerifyRowInputs
 from ..kernels.triton_compat import use_triton
 from .batch import ForwardBatch
 
@@ -60,8 +65,11 @@ def gdn_bytes_per_slot(cfg: TargetConfig, dtype: torch.dtype) -> int:
 
 
 def verify_bytes_per_seq(cfg: TargetConfig, dtype: torch.dtype, max_verify_rows: int) -> int:
-    """Verify scratch bytes of one sequence (per-row recurrent states and conv inputs)."""
-    row = _recurrent_elems(cfg) * 4 + cfg.gdn_conv_dim * _itemsize(dtype)
+    """Verify scratch bytes of one sequence: every row's recurrence inputs (k, g, beta fp32, v in ``dtype``)
+    and conv input, across the linear-attention layers."""
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    inputs = hk * cfg.linear_key_head_dim * 4 + hv * cfg.linear_value_head_dim * _itemsize(dtype) + 2 * hv * 4
+    row = inputs + cfg.gdn_conv_dim * _itemsize(dtype)
     return len(cfg.linear_attention_layers) * max_verify_rows * row
 
 
@@ -108,15 +116,19 @@ class GDNStack:
 
     def __init__(self, cfg: TargetConfig, num_slots: int, max_verify_seqs: int, max_verify_rows: int,
                  dtype: torch.dtype, device: torch.device, poison: bool):
-        hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         conv_dim, taps = cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1
         layers = len(cfg.linear_attention_layers)
         self.num_slots = num_slots
         self.conv_storage = _fresh((layers, num_slots + 1, conv_dim, taps), dtype, device, poison)  # + trash slot
         self.recurrent_storage = _fresh((layers, num_slots + 1, hv, dk, dv), torch.float32, device, poison)
-        self.verify_conv_inputs = _fresh((layers, max_verify_seqs, max_verify_rows, conv_dim), dtype, device, poison)
-        self.verify_recurrent = _fresh((layers, max_verify_seqs, max_verify_rows, hv, dk, dv), torch.float32,
-                                       device, poison)
+        scratch = (layers, max_verify_seqs, max_verify_rows)
+        self.verify_conv_inputs = _fresh((*scratch, conv_dim), dtype, device, poison)
+        self.verify_rows = VerifyRowInputs(k=_fresh((*scratch, hk, dk), torch.float32, device, poison),
+                                           v=_fresh((*scratch, hv, dv), dtype, device, poison),
+                                           g=_fresh((*scratch, hv), torch.float32, device, poison),
+                                           beta=_fresh((*scratch, hv), torch.float32, device, poison))
 
 
 class GDNSlots:
@@ -127,7 +139,7 @@ class GDNSlots:
         self.conv_storage = stack.conv_storage[i]  # [num_slots + 1, conv_dim, K-1]: + the trash slot
         self.recurrent_storage = stack.recurrent_storage[i]  # [num_slots + 1, Hv, Dk, Dv] fp32
         self.verify_conv_inputs = stack.verify_conv_inputs[i]  # [max_verify_seqs, max_verify_rows, conv_dim]
-        self.verify_recurrent = stack.verify_recurrent[i]  # [max_verify_seqs, max_verify_rows, Hv, Dk, Dv] fp32
+        self.verify_rows = VerifyRowInputs(*(t[i] for t in stack.verify_rows))  # [max_verify_seqs, R, ...] each
 
     @property
     def conv(self) -> Tensor:
@@ -210,11 +222,13 @@ def commit_verify(pools: CachePools, batch: ForwardBatch, num_rows_kept: Tensor)
 
     ``batch`` is the verify batch the forward ran (same sequence order); ``num_rows_kept [B]`` is
     ``num_accepted + 1`` (the anchor and the accepted drafts), each in 1 .. rows of its sequence.
-    K/V needs no rollback: rows past ``context_lens`` are never read and get overwritten.
-    Every GDN layer at once (fast/kernels/gdn_commit.py): one kernel on CUDA, the torch form elsewhere.
+    The recurrent state is replayed from the slot over the kept rows' stored inputs, the conv state
+    shifted in from the stored conv inputs. K/V needs no rollback: rows past ``context_lens`` are
+    never read and get overwritten. Every GDN layer at once (fast/kernels/gdn_commit.py): one kernel
+    on CUDA, the torch form elsewhere.
     """
     kept = num_rows_kept.to(pools.device)  # [B] integer (the kernel reads any; the torch form makes it long)
     stack = pools.gdn_stack
-    tensors = (stack.conv_storage, stack.recurrent_storage, stack.verify_conv_inputs, stack.verify_recurrent)
-    commit = commit_verify_triton if use_triton(*tensors) else commit_verify_torch
-    commit(*tensors, pools.state_index(batch.state_slots), zero_state_mask(batch), kept)
+    tensors = (stack.conv_storage, stack.recurrent_storage, stack.verify_conv_inputs)
+    commit = commit_verify_triton if use_triton(*tensors, *stack.verify_rows) else commit_verify_torch
+    commit(*tensors, stack.verify_rows, pools.state_index(batch.state_slots), zero_state_mask(batch), kept)

@@ -6,9 +6,10 @@ One :meth:`FastTarget.forward` runs one engine step: the rows of B sequences, to
     x^0 = E[t];  x^{l+1} = layer_l(x^l);  h = rmsnorm_final(x^L);  logits = W_lm h[logits_rows]
 
 Full-attention layers write each row's K/V into its paged slot and attend over the sequence's
-context; GDN layers continue each sequence from its state slot (a verify step captures per-row
-states instead, see fast/model/pools.py). ``taps`` are the residual rows after the layers in
-``tap_layers``, concatenated in that order (the DFlash draft's context features).
+context; GDN layers continue each sequence from its state slot (a verify step stores the rows'
+inputs instead, for the commit to replay the kept ones: see fast/model/pools.py). ``taps`` are the
+residual rows after the layers in ``tap_layers``, concatenated in that order (the DFlash draft's
+context features).
 
 Compute runs in ``dtype`` (residual stream, matmuls, caches); norms, RoPE, softmax, the router,
 the GDN conv and recurrence run in fp32; logits come out fp32.
