@@ -1,6 +1,6 @@
 """Fused per-layer ops of the decode/verify step against the torch sequences they replace, beside the floor.
 
-The fusions (fast/kernels/rms_norm.py, gdn_prologue.py, attention_prologue.py), each against its
+The fusions (fast/kernels/rms_norm.py, gdn_prologue.py, attention_prologue.py, swiglu.py), each against its
 torch twin (the model's torch form: the code path the CPU lane runs):
 
     add_rms_norm    h = x + y; rmsnorm(h)                   [N, C]          twin: fast/model/norm.add_rms_norm_torch
@@ -9,6 +9,8 @@ torch twin (the model's torch form: the code path the CPU lane runs):
                     (+ the conv state write, or the verify-input capture)
     qk_norm_rope    q/k head norms + RoPE + cast + K/V write                twin: rope.qk_norm_rope_torch
     output_gate     attn * sigmoid(gate)                                    twin: attention_prologue.output_gate_torch
+    swiglu          silu(gate) * up of the gate|up GEMM     [N, 2I]         twin: mlp.swiglu_act_torch
+                    (its torch time: F.silu(gate) * up in bf16, the form it replaced)
 
 at the released targets' shapes (bench/shapes/: Qwen3.5-27B C = 5120, GDN 16/48 heads of 128, conv
 kernel 4, attention 24/4 heads of 256, rotary dim 64; Qwen3.5-35B-A3B C = 2048, GDN 16/32 heads,
@@ -47,12 +49,15 @@ import triton
 from dflash2.fast.kernels.attention_prologue import output_gate_torch, output_gate_triton, qk_norm_rope_triton
 from dflash2.fast.kernels.gdn_prologue import gdn_prologue_triton
 from dflash2.fast.kernels.rms_norm import add_rms_norm_triton, gated_rms_norm_triton
+from dflash2.fast.kernels.swiglu import swiglu_act_triton
 from dflash2.fast.model import attention as attention_module
 from dflash2.fast.model import gdn as gdn_module
 from dflash2.fast.model import layer as layer_module
+from dflash2.fast.model import mlp as mlp_module
 from dflash2.fast.model.batch import ForwardBatch
 from dflash2.fast.model.gdn import gdn_prologue_torch
 from dflash2.fast.model.layer import FastDecoderLayer
+from dflash2.fast.model.mlp import swiglu_act_torch
 from dflash2.fast.model.norm import add_rms_norm_torch, gated_rms_norm_torch
 from dflash2.fast.model.ops import DEFAULT_OPS
 from dflash2.fast.model.params import Params
@@ -147,6 +152,12 @@ def make_batch(num_seqs: int, rows: int) -> ForwardBatch:
         state_slots=torch.arange(num_seqs, device=device), kv_slot_mapping=slots.to(device),
         block_tables=tables.to(device), context_lens=torch.full((num_seqs,), CONTEXT + rows, device=device),
         is_verify=rows > 1, logits_rows=torch.arange(n, device=device), max_query_len=rows)
+
+
+def swiglu_before(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The torch form the SwiGLU kernel replaced: ``F.silu(gate) * up`` in the model dtype (two kernels)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def op_row(model: str, op: str, step: str, rows: int, bytes_moved: int, bw: float, fused, twin, check) -> dict:
@@ -265,6 +276,18 @@ def bench_ops(model: str, cfg, bw: float, gen: torch.Generator) -> list[dict]:
         out.append(op_row(model, "output_gate", "any", n, 3 * n * h * d * 2, bw,
                           lambda attn=attn, gate=gate: output_gate_triton(attn, gate),
                           lambda attn=attn, gate=gate: output_gate_torch(attn, gate), check_gate))
+
+        # SwiGLU activation of the gate|up GEMM output (the dense MLP's width, else the shared expert's)
+        width = cfg.intermediate_size or cfg.shared_expert_intermediate_size
+        gate_up = rnd(n, 2 * width, scale=2).to(DT)
+
+        def check_swiglu(gate_up=gate_up):
+            a, b = swiglu_act_triton(gate_up), swiglu_act_torch(gate_up)
+            err = rms_rel(a.float(), b.float())
+            return {"swiglu": err}, bool(err <= BF16_BOUND and torch.equal(a, swiglu_act_triton(gate_up)))
+        out.append(op_row(model, "swiglu", "any", n, 3 * n * width * 2, bw,
+                          lambda gate_up=gate_up: swiglu_act_triton(gate_up),
+                          lambda gate_up=gate_up: swiglu_before(gate_up), check_swiglu))
     return out
 
 
@@ -277,7 +300,7 @@ def torch_forms(layers):
     """
     patches = [(layer_module, "add_rms_norm", add_rms_norm_torch), (gdn_module, "gated_rms_norm", gated_rms_norm_torch),
                (gdn_module, "gdn_prologue", gdn_prologue_torch), (attention_module, "qk_norm_rope", qk_norm_rope_torch),
-               (attention_module, "output_gate", output_gate_torch)]
+               (attention_module, "output_gate", output_gate_torch), (mlp_module, "swiglu_act", swiglu_before)]
     patches += [(layer.mixer, "gated_delta_rule", lambda *args, op=layer.mixer.gated_delta_rule: op(*args))
                 for layer in layers if layer.layer_type != "full_attention"]
     saved = [(m, name, getattr(m, name)) for m, name, _ in patches]

@@ -5,7 +5,8 @@ than W-1 committed rows, exactly W-1, a wrapped ring, and (window 2048) a prompt
 ring written in one call, so the in-call "last row wins" rule decides the slots.
 
 The block side's CUDA composition (fused norms, the conv kernel with the residual add, the q/k
-prologue kernel, the split-window ring attention as planned for an H200's 132 SMs) is run here too,
+prologue kernel, the split-window ring attention as planned for an H200's 132 SMs, the SwiGLU activation
+kernel) is run here too,
 on the CPU under Triton's interpreter, against the same reference at the same fp32 bound.
 """
 
@@ -19,6 +20,7 @@ import torch
 import dflash2.fast.kernels.dynamic_conv as dynamic_conv
 import dflash2.fast.kernels.paged_attention as paged_attention
 import dflash2.fast.kernels.ring_attention as ring_attention
+import dflash2.fast.model.mlp as mlp
 import dflash2.fast.model.norm as norm
 import dflash2.fast.model.rope as rope
 from dflash2.fast.kernels.triton_compat import HAS_TRITON
@@ -61,6 +63,25 @@ def test_context_kv_is_batch_invariant(released_window):
         assert torch.equal(batch_invariant_linear(x[i:i + n], weight), full[i:i + n])
 
 
+def test_fused_block_weights_hold_the_checkpoint_rows(small_window):
+    """EXACT: each layer's block-side [q; k; v] matrix is the checkpoint's rows, its k|v rows those of the
+    context side's stacked matrix; the per-name entries are views into the fused matrices."""
+    ref, fast = small_window.reference, small_window.fast
+    cfg = fast.cfg
+    q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, 2 * cfg.num_key_value_heads * cfg.head_dim
+    for layer in range(cfg.num_hidden_layers):
+        p = f"layers.{layer}."
+        fused = fast.block_qkv_weights[layer]
+        expected = torch.cat([ref.w[f"{p}self_attn.{name}_proj.weight"] for name in "qkv"])
+        assert fused.is_contiguous() and torch.equal(fused.cpu(), expected)
+        assert torch.equal(fused[q_rows:], fast.context_kv_weight[layer * kv_rows:(layer + 1) * kv_rows])
+        assert fast.w[f"{p}self_attn.q_proj.weight"].data_ptr() == fused.data_ptr()
+        assert fast.w[f"{p}self_attn.k_proj.weight"].data_ptr() == fast.context_kv_weight[layer * kv_rows].data_ptr()
+        assert fast.w[f"{p}mlp.gate_proj.weight"].data_ptr() == fast.gate_up[layer].data_ptr()
+        for conv in ("attention_conv", "mlp_conv"):
+            assert fast.w[f"{p}{conv}.kernel_projection.weight"].is_contiguous()
+
+
 def _compare_blocks(pair, tiny_target, prompt_lens: list[int], slots: list[int], num_slots: int, name: str):
     """Prefill every request in one observe call, then draft all blocks at once and compare."""
     log = new_log(name)
@@ -91,6 +112,7 @@ def _compare_blocks(pair, tiny_target, prompt_lens: list[int], slots: list[int],
     proposer.ring.check_readable(slot_t, anchors)
     layers: list[torch.Tensor] = []
     blocks = fast.forward_blocks(anchor_tokens, anchors, proposer.ring, slot_t, layer_outputs=layers)
+    assert blocks.logits.dtype == fast.dtype  # the LM head's output as written, no fp32 copy
     for b, (n, ring) in enumerate(zip(prompt_lens, rings)):
         ctx_positions, rows = ring.read(n)
         ctx_k, ctx_v = rows[:, :, 0].transpose(0, 1), rows[:, :, 1].transpose(0, 1)
@@ -122,7 +144,7 @@ def cuda_kernels(monkeypatch):
     """Every block-side dispatch sent to its Triton kernel (the interpreter without a GPU), planned for 132 SMs."""
     if not HAS_TRITON or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
         pytest.skip("needs Triton on CUDA or its interpreter")
-    for module in (norm, rope, dynamic_conv, ring_attention):
+    for module in (norm, rope, dynamic_conv, ring_attention, mlp):
         monkeypatch.setattr(module, "use_triton", lambda *tensors: True)
     monkeypatch.setattr(paged_attention, "_sm_count", lambda device: 132)
 

@@ -104,3 +104,20 @@ def test_select_matches_reference(impl_device, report, config, merge_blocks, mon
     assert len(probs) >= batch - 1
     report.numeric("draft_probs", torch.stack(probs), torch.stack(ref_probs), NUMERIC_BOUND[torch.float32])
     report.numeric("sigma", torch.stack(sigma), torch.stack(ref_sigma), NUMERIC_BOUND[torch.float32])
+
+
+@pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: f"B{c[0]}-S{c[1]}-V{c[2]}-K{c[5]}-k{c[6]}")
+def test_select_reads_model_dtype_logits_exactly(impl_device, config):
+    """The draft's logits arrive in the model dtype (``DraftBlocks.logits``, no fp32 copy of the rows): bf16
+    logits give bit for bit the result of their exact fp32 conversion (tokens, candidates, q, sigma)."""
+    impl, device = impl_device
+    batch, block, vocab, hidden_size, rank, top_k, k = config
+    case = make_case(batch, block, vocab, hidden_size, rank, top_k, seed=vocab + 1)
+    case.logits = case.logits.bfloat16()  # ties among the bf16 values too, more than in fp32
+    kwargs = {"block_v": 32} if impl == "triton" else {}
+    fn = pick(impl, select_torch, select_triton)
+    got = run(fn, case, k, device, **kwargs)
+    case.logits = case.logits.float()
+    expected = run(fn, case, k, device, **kwargs)
+    for name in ("tokens", "cand_ids", "draft_probs", "sigma"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name

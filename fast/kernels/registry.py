@@ -53,7 +53,7 @@ KERNELS: tuple[KernelTwin, ...] = (
                ("dflash2.fast.kernels.gdn_recurrent:gated_delta_rule_verify_torch",
                 "dflash2.fast.kernels.gdn_recurrent:gated_delta_rule_verify_triton"),
                "dflash2.reference.model.delta_rule:gated_delta_rule_recurrent", "conformance/ops/test_gdn_recurrent.py"),
-    KernelTwin("gdn_commit",  # copies the kept verify row's GDN state; the reference rolls back by replay instead
+    KernelTwin("gdn_commit",  # replays the kept verify rows on the slot's state, the reference's rollback
                ("dflash2.fast.kernels.gdn_commit:commit_verify_torch",
                 "dflash2.fast.kernels.gdn_commit:commit_verify_triton"),
                "dflash2.reference.speculative.loop:verify_step", "conformance/ops/test_gdn_commit.py"),
@@ -83,6 +83,9 @@ KERNELS: tuple[KernelTwin, ...] = (
                ("dflash2.fast.model.rope:qk_norm_rope_torch",
                 "dflash2.fast.kernels.attention_prologue:qk_norm_rope_triton"),
                "dflash2.reference.model.rope:apply_rope", "conformance/ops/test_attention_prologue.py"),
+    KernelTwin("swiglu",  # silu(gate) * up of the fused gate|up GEMM output; the reference's is inside its swiglu
+               ("dflash2.fast.model.mlp:swiglu_act_torch", "dflash2.fast.kernels.swiglu:swiglu_act_triton"),
+               "dflash2.reference.model.mlp:swiglu", "conformance/ops/test_swiglu.py"),
     KernelTwin("output_gate",  # the reference's gate is the line attn * sigmoid(gate) of GatedAttention.forward
                ("dflash2.fast.kernels.attention_prologue:output_gate_torch",
                 "dflash2.fast.kernels.attention_prologue:output_gate_triton"),

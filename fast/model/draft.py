@@ -32,9 +32,16 @@ its scale); a conv side is ``fast/kernels/dynamic_conv.grouped_dynamic_conv``, t
 residual add ``x + finish(...)`` fused in; q/k norms and RoPE are one ``rope.draft_qk_norm_rope``
 with cos/sin computed once per ``forward_blocks`` (every layer, q and k, share the positions); the
 window attention is ``fast/kernels/ring_attention.ring_attention`` (split-window on CUDA), reading
-each layer's ring ``RingPool.k[layer]``, ``RingPool.v[layer]`` in place. Gate and up are one GEMM
-over ``gate_up[layer]`` ``[2I, C]``, and the block rows' k and v one GEMM over the layer's rows of
-``context_kv_weight`` ``[2*Hkv*D, C]``; the per-name entries of ``self.w`` are views into both.
+each layer's ring ``RingPool.k[layer]``, ``RingPool.v[layer]`` in place; ``silu(gate) * up`` is
+``mlp.swiglu_act`` (fast/kernels/swiglu.py: one kernel reading the ``[B*S, 2I]`` gate|up output, fp32
+arithmetic rounded once to the draft dtype). The GEMMs are plain 2-D ones over the B*S rows, per layer:
+the two conv kernel projections ``[2*K*C/G, C]``; q, k and v as one over ``block_qkv_weights[layer]``
+``[(H + 2 Hkv) D, C]`` (q rows, then that layer's k|v rows of ``context_kv_weight``, copied: the
+context side keeps its one stacked matrix, so its batch-invariant GEMM and its bits are unchanged;
+about 2*Hkv*D*C elements more per layer), read by the prologue and the attention as head views;
+o_proj; gate and up as one over ``gate_up[layer]`` ``[2I, C]``; down. The per-name entries of
+``self.w`` are views: q_proj into ``block_qkv_weights``, k_proj and v_proj into ``context_kv_weight``,
+gate_proj and up_proj into ``gate_up``. The logits stay in the draft dtype (``DraftBlocks.logits``).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from dflash2.reference.formats.draft_config import DraftConfig
 from ..kernels.dynamic_conv import grouped_dynamic_conv
 from ..kernels.ring_attention import ring_attention
 from .capture import graph_cut, layer_cuts
+from .mlp import swiglu_act
 from .norm import add_rms_norm, rms_norm
 from .rope import apply_rope, draft_qk_norm_rope, rope_cos_sin
 
@@ -69,7 +77,10 @@ class DraftBlocks:
     """One batched draft forward over B blocks of S rows."""
 
     hidden: Tensor  # [B, S, C] after the final norm (row 0 included), in the draft dtype
-    logits: Tensor  # [B, S-1, V] fp32: rows 1..S-1 (slot i is logits[:, i-1])
+    # [B, S-1, V] in the draft dtype, as the LM head GEMM writes it: rows 1..S-1 (slot i is logits[:, i-1]).
+    # The selector reads it in place and converts to fp32 exactly (the top-K_sel picks compare the same
+    # values; only the gathered candidates' U_i leave as fp32), so no full fp32 copy of the rows is made.
+    logits: Tensor
 
 
 def batch_invariant_linear(x: Tensor, weight: Tensor, tile_rows: int | None = None) -> Tensor:
@@ -105,13 +116,29 @@ class FastDraft:
         self.embed = target_embed.to(device=self.device, dtype=dtype)  # [V, C]
         self.lm_head = target_lm_head.to(device=self.device, dtype=dtype)  # [V, C]
         # the context K/V projection of every layer as one [L*2*Hkv*D, C] matrix (layer-major, k then v);
-        # the k_proj / v_proj entries become views into it, and a layer's rows are its block-side k|v GEMM
+        # the k_proj / v_proj entries become views into it
         layers = range(cfg.num_hidden_layers)
         names = [f"layers.{layer}.self_attn.{kv}_proj.weight" for layer in layers for kv in "kv"]
         self.context_kv_weight = torch.cat([self.w[name] for name in names])
         for name, view in zip(names, self.context_kv_weight.split(cfg.num_key_value_heads * cfg.head_dim)):
             self.w[name] = view
-        self.block_kv_weights = self.context_kv_weight.split(2 * cfg.num_key_value_heads * cfg.head_dim)
+        # the block side's q, k and v of a layer as one GEMM over [q rows; k rows; v rows] [(H + 2 Hkv) D, C]:
+        # the k|v rows are a copy of the layer's rows of context_kv_weight (which stays one matrix for the
+        # batch-invariant context GEMM), the q_proj entry becomes a view into it
+        kv_rows = 2 * cfg.num_key_value_heads * cfg.head_dim
+        self.block_qkv_weights = []
+        for layer, kv in zip(layers, self.context_kv_weight.split(kv_rows)):
+            name = f"layers.{layer}.self_attn.q_proj.weight"
+            fused = torch.cat([self.w[name], kv])
+            self.w[name] = fused[:cfg.num_attention_heads * cfg.head_dim]
+            self.block_qkv_weights.append(fused)
+        for layer in layers:  # the conv kernel projections as contiguous [2*K*C/G, C] for plain 2-D GEMMs
+            for conv in ("attention_conv", "mlp_conv"):
+                name = f"layers.{layer}.{conv}.kernel_projection.weight"
+                self.w[name] = self.w[name].contiguous()
+        # forward_blocks' per-call constants: the row offsets 0..S-1 and which row holds the anchor token
+        self.block_offsets = torch.arange(cfg.block_size, device=self.device)  # [S]
+        self.anchor_rows = self.block_offsets == 0  # [S] bool
         self.k_norms = torch.stack([self.norms[f"layers.{layer}.self_attn.k_norm.weight"] for layer in layers])
         # gate and up of every layer as one [2I, C] matrix (gate rows first); the per-name entries become views
         self.gate_up = []
@@ -161,8 +188,9 @@ class FastDraft:
     def _conv_prepare(self, u: Tensor, name: str) -> tuple[Tensor, Tensor]:
         """Side 0 of conv ``name``: ``(u' [B, S, C], delta [B, S, 2, K, C/G])``."""
         base, proj = self.w[f"{name}.base_kernel"], self.w[f"{name}.kernel_projection.weight"]
-        b, s, _ = u.shape
-        delta = (u @ proj.T).reshape(b, s, 2, self.cfg.conv_kernel_size, -1)
+        b, s, c = u.shape
+        taps = self.cfg.conv_kernel_size
+        delta = (u.reshape(b * s, c) @ proj.T).view(b, s, 2, taps, proj.shape[0] // (2 * taps))  # one 2-D GEMM
         return grouped_dynamic_conv(u, base[0], delta[:, :, 0], self.cfg.conv_group_size), delta
 
     def _conv_finish(self, o: Tensor, name: str, delta: Tensor, residual: Tensor) -> Tensor:
@@ -178,15 +206,14 @@ class FastDraft:
         """
         cfg, w = self.cfg, self.w
         p = f"layers.{layer}.self_attn."
-        b, s, _ = u.shape
+        b, s, c = u.shape
         h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q = (u @ w[f"{p}q_proj.weight"].T).reshape(b * s, h, d)
-        kv = (u @ self.block_kv_weights[layer].T).reshape(b * s, 2 * hkv, d)  # [k heads | v heads] per row
-        q, k = draft_qk_norm_rope(q, kv[:, :hkv], self.norms[f"{p}q_norm.weight"], self.norms[f"{p}k_norm.weight"],
-                                  cos, sin, cfg.rms_norm_eps)
-        a = ring_attention(q, k, kv[:, hkv:], ring_pool.k[layer], ring_pool.v[layer], ring_slots, anchor_positions,
-                           cfg.sliding_window)  # [B*S, H, D]
-        return a.reshape(b, s, h * d) @ w[f"{p}o_proj.weight"].T
+        qkv = (u.reshape(b * s, c) @ self.block_qkv_weights[layer].T).view(b * s, h + 2 * hkv, d)  # [q | k | v] heads
+        q, k = draft_qk_norm_rope(qkv[:, :h], qkv[:, h:h + hkv], self.norms[f"{p}q_norm.weight"],
+                                  self.norms[f"{p}k_norm.weight"], cos, sin, cfg.rms_norm_eps)
+        a = ring_attention(q, k, qkv[:, h + hkv:], ring_pool.k[layer], ring_pool.v[layer], ring_slots,
+                           anchor_positions, cfg.sliding_window)  # [B*S, H, D]
+        return (a.reshape(b * s, h * d) @ w[f"{p}o_proj.weight"].T).view(b, s, c)
 
     def _layer(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, ring_pool: RingPool, ring_slots: Tensor,
                anchor_positions: Tensor) -> Tensor:
@@ -196,9 +223,9 @@ class FastDraft:
         o = self._attention(layer, u, cos, sin, ring_pool, ring_slots, anchor_positions)
         x = self._conv_finish(o, f"{p}attention_conv", delta, x)
         u, delta = self._conv_prepare(self._block_norm(x, f"{p}post_attention_layernorm.weight"), f"{p}mlp_conv")
-        gate, up = (u @ self.gate_up[layer].T).chunk(2, dim=-1)
-        m = (F.silu(gate) * up) @ w[f"{p}mlp.down_proj.weight"].T
-        return self._conv_finish(m, f"{p}mlp_conv", delta, x)
+        rows = u.reshape(-1, u.shape[-1])  # [B*S, C]: plain 2-D GEMMs
+        m = swiglu_act(rows @ self.gate_up[layer].T) @ w[f"{p}mlp.down_proj.weight"].T  # one activation kernel
+        return self._conv_finish(m.view(x.shape), f"{p}mlp_conv", delta, x)
 
     def forward_blocks(self, anchor_tokens: Tensor, anchor_positions: Tensor, ring_pool: RingPool,
                        ring_slots: Tensor, layer_outputs: list[Tensor] | None = None) -> DraftBlocks:
@@ -215,9 +242,8 @@ class FastDraft:
                              f"{list(anchor_positions.shape)}, ring_slots {list(ring_slots.shape)}: expected [B] each")
         if ring_pool.window != cfg.sliding_window:
             raise ValueError(f"ring window {ring_pool.window} != the draft's sliding_window {cfg.sliding_window}")
-        offsets = torch.arange(cfg.block_size, device=self.device)
-        positions = anchor_positions[:, None] + offsets  # [B, S]
-        tokens = torch.where(offsets == 0, anchor_tokens[:, None], cfg.mask_token_id)  # [B, S]
+        positions = anchor_positions[:, None] + self.block_offsets  # [B, S]
+        tokens = torch.where(self.anchor_rows, anchor_tokens[:, None], cfg.mask_token_id)  # [B, S]
         x = self.embed[tokens]  # [B, S, C] (input_embedding_scale = 1)
         cos, sin = rope_cos_sin(positions.reshape(-1), cfg.head_dim, cfg.rope_theta)  # once: every layer, q and k
         cuts = layer_cuts(cfg.num_hidden_layers, groups=1)  # a captured step's first graphs short
@@ -229,5 +255,6 @@ class FastDraft:
                 layer_outputs.append(x)
         hidden = self._block_norm(x, "norm.weight")  # [B, S, C]
         rows = hidden[:, 1:].reshape(-1, cfg.hidden_size)  # one 2-D GEMM (the 3-D slice ran as a slow bmm)
-        logits = (rows @ self.lm_head.T).float().reshape(hidden.shape[0], cfg.block_size - 1, -1)
+        # in the draft dtype: no fp32 copy of the B*(S-1) x V rows (the selector converts its candidates only)
+        logits = (rows @ self.lm_head.T).view(hidden.shape[0], cfg.block_size - 1, self.lm_head.shape[0])
         return DraftBlocks(hidden=hidden, logits=logits)
