@@ -1,4 +1,5 @@
-"""CUDA graphs of the engine's decode and verify steps: static buffers per bucket, one upload per step.
+"""CUDA graphs of the engine's decode and verify steps: static buffers per bucket, one upload per step (two for
+a DFlash step: its proposal's fields first, ``StepGraphs``).
 
 Launched eagerly, a decode or verify step of a 40-64-layer hybrid is hundreds to thousands of
 small kernels, and at a few requests their launch gaps cost more than the weights' bytes. Here each
@@ -19,7 +20,8 @@ smallest of 1, 2, 4, 8, ... (capped at max_running_req) that holds the batch, th
 power of two of the pages any sequence needs (at least MIN_PAGES, capped at the model's maximum).
 
 Each graph owns static inputs (:class:`StaticInputs`): named int64 and fp32 fields that the host
-fills (numpy) in two pinned buffers and uploads with one non-blocking copy each. The ForwardBatch fields
+fills (numpy) in two pinned buffers and uploads with one non-blocking copy each (a DFlash step: the
+early fields' part of each, then the rest). The ForwardBatch fields
 (positions, cu_seqlens, state slots, K/V slots, page tables, context lengths, logits rows) follow
 ``fast/model/batch.py``'s padding: padding sequences have R rows each, state slot and K/V slots
 ``PAD_SLOT`` (they read the zero state, write the trash slot and row), no pages and context length

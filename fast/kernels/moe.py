@@ -120,6 +120,26 @@ def _chunk_pairs(ids_ptr, e, num_pairs, first, P_PAD: tl.constexpr, PAIR_TILE: t
 
 
 @triton.jit
+def _gate_up_tile(x_ptr, rows, valid, gate_rows, up_rows, in_i, C: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(W_gate x, W_up x)`` of one chunk of rows on one I tile, fp32 ``[BLOCK_M, BLOCK_I]`` each, accumulated
+    over C in BLOCK_K steps (``gate_rows``, ``up_rows``: the tile's row starts in W_gate[e], W_up[e])."""
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+    for k0 in range(0, C, BLOCK_K):
+        k_offs = k0 + tl.arange(0, BLOCK_K)
+        in_k = k_offs < C
+        a = tl.load(x_ptr + rows[:, None] * C + k_offs[None, :],
+                    mask=valid[:, None] & in_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w_mask = in_k[:, None] & in_i[None, :]
+        w_gate = tl.load(gate_rows[None, :] + k_offs[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_I]
+        w_up = tl.load(up_rows[None, :] + k_offs[:, None], mask=w_mask, other=0.0)
+        acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+    return acc_gate, acc_up
+
+
+@triton.jit
 def _moe_expert_tile_kernel(x_ptr, ids_ptr, gate_up_ptr, down_ptr, partials_ptr, num_pairs,
                             C: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, NUM_TILES: tl.constexpr,
                             P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr, MAX_CHUNKS: tl.constexpr,
@@ -140,19 +160,8 @@ def _moe_expert_tile_kernel(x_ptr, ids_ptr, gate_up_ptr, down_ptr, partials_ptr,
             if chunk * BLOCK_M < count:
                 pairs = _chunk_pairs(ids_ptr, e, num_pairs, chunk * BLOCK_M, P_PAD, PAIR_TILE, BLOCK_M)
                 valid = chunk * BLOCK_M + m < count
-                rows = (pairs // TOP_K).to(tl.int64)
-                acc_gate = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
-                acc_up = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
-                for k0 in range(0, C, BLOCK_K):
-                    k_offs = k0 + tl.arange(0, BLOCK_K)
-                    in_k = k_offs < C
-                    a = tl.load(x_ptr + rows[:, None] * C + k_offs[None, :],
-                                mask=valid[:, None] & in_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-                    w_mask = in_k[:, None] & in_i[None, :]
-                    w_gate = tl.load(gate_rows[None, :] + k_offs[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_I]
-                    w_up = tl.load(up_rows[None, :] + k_offs[:, None], mask=w_mask, other=0.0)
-                    acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
-                    acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+                acc_gate, acc_up = _gate_up_tile(x_ptr, (pairs // TOP_K).to(tl.int64), valid, gate_rows, up_rows,
+                                                 in_i, C, BLOCK_M, BLOCK_I, BLOCK_K, DOT_PRECISION)
                 h = (acc_gate * tl.sigmoid(acc_gate) * acc_up).to(down_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_I]
                 out_rows = partials_ptr + pairs.to(tl.int64) * (NUM_TILES * C) + tile * C  # [BLOCK_M]
                 for c0 in range(0, C, BLOCK_C):
@@ -183,19 +192,8 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, gate_up_ptr, h_ptr, num_pairs, C: tl.con
             if chunk * BLOCK_M < count:
                 pairs = _chunk_pairs(ids_ptr, e, num_pairs, chunk * BLOCK_M, P_PAD, PAIR_TILE, BLOCK_M)
                 valid = chunk * BLOCK_M + m < count
-                rows = (pairs // TOP_K).to(tl.int64)
-                acc_gate = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
-                acc_up = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
-                for k0 in range(0, C, BLOCK_K):
-                    k_offs = k0 + tl.arange(0, BLOCK_K)
-                    in_k = k_offs < C
-                    a = tl.load(x_ptr + rows[:, None] * C + k_offs[None, :],
-                                mask=valid[:, None] & in_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-                    w_mask = in_k[:, None] & in_i[None, :]
-                    w_gate = tl.load(gate_rows[None, :] + k_offs[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_I]
-                    w_up = tl.load(up_rows[None, :] + k_offs[:, None], mask=w_mask, other=0.0)
-                    acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
-                    acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+                acc_gate, acc_up = _gate_up_tile(x_ptr, (pairs // TOP_K).to(tl.int64), valid, gate_rows, up_rows,
+                                                 in_i, C, BLOCK_M, BLOCK_I, BLOCK_K, DOT_PRECISION)
                 h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BLOCK_M, BLOCK_I]
                 tl.store(h_ptr + pairs.to(tl.int64)[:, None] * I + i_offs[None, :], h.to(h_ptr.dtype.element_ty),
                          mask=valid[:, None] & in_i[None, :])
