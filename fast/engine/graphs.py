@@ -397,7 +397,9 @@ class StepGraphs(_KeyedGraphs):
         num_seqs = len(anchors)
         per_request = {"anchor_tokens": (anchor_tokens, 0), "anchors": (anchors, 0), "keep": ([keep] * num_seqs, 0),
                        **sampling_fields(params)}
-        split = PROPOSED in step.marks
+        # the mark is captured for every proposer (the step function cuts there); only one that reads
+        # neither the block tables nor the other batch fields may run before they are uploaded
+        split = self.split_after_propose and PROPOSED in step.marks
         if split:  # the proposal's fields, then its graphs, while the host goes on with the batch
             fill_per_request(host, {**per_request, "state_slots": (slots, PAD_SLOT)})
             step.inputs.upload("early")
