@@ -24,8 +24,8 @@ per (pair, C tile of ``block_c``), the leader reduces all of I in ``block_d`` st
 form's programs each stream 768 KiB at 8 rows (I tiles of 64), one resident per SM with a 4-stage
 pipeline, so the ~470 programs of a verify layer (58 experts) end in a partial last wave; the split
 form's programs stream 128-256 KiB each and its partials are T times smaller. It rounds differently
-(one fp32 accumulation over I instead of T partial sums), within NUMERIC of the reference; not yet
-timed on a GPU, so no default uses it (bench/kernels/bench_moe.py sweeps it beside the fused form).
+(one fp32 accumulation over I instead of T partial sums), within NUMERIC of the reference. On the H200
+it is the faster form from 8 to 16 rows (:func:`default_blocks`; bench/kernels/bench_moe.py sweeps both).
 
 No host sync and no data-dependent shape: the grids and buffers depend on (N, k, E, C, I) only.
 What bounds it: the weight bytes of the distinct experts chosen (memory); the partials add
@@ -71,15 +71,22 @@ def default_blocks(rows: int) -> MoEBlocks:
     """Defaults by row count, from the H200 sweeps (bench/kernels/bench_moe.py, per layer, CUDA-graph
     replays): one row (plain decode) takes the down projection in 256-column steps with a 4-stage
     pipeline (23.4 vs 27.7 us, bench/results/2026-12-01-h200/kernels/bench_moe.log); from 2 rows on, I
-    tiles of 64 (half the programs and half the partials of 32-wide tiles), with a 4-stage pipeline
-    from 5 rows (a verify of k = 7 is 8): 56.6 vs 65.7 us at 4 rows, 100.6 vs 116.5 at 8
-    (bench/results/2026-12-01-h200-perf3/call1-bench_moe.log); 64-pair chunks past 128 rows."""
+    tiles of 64 (half the programs and half the partials of 32-wide tiles), with a 4-stage pipeline at
+    5-7 rows: 56.6 vs 65.7 us at 4 rows (bench/results/2026-12-01-h200-perf3/call1-bench_moe.log).
+    From 8 to 16 rows (a verify of k = 7 is 8 rows a request) the split form: 94.5 vs 99.5 us at 8 rows
+    (I tiles of 32, down programs of 64 columns) and 162.6 vs 179.0 at 16 (bench/results/
+    2026-12-01-h200-perf5/call1-moe_sweep.log; the row counts not swept keep the fused form); 64-pair
+    chunks past 128 rows."""
     if rows == 1:
         return MoEBlocks(block_c=256, num_stages=4)
     if rows <= 4:
         return MoEBlocks(block_i=64)
-    if rows <= 8:
+    if rows < 8:
         return MoEBlocks(block_i=64, num_stages=4)
+    if rows == 8:
+        return MoEBlocks(block_i=32, block_c=64, split=True, block_d=128)
+    if rows <= 16:
+        return MoEBlocks(block_i=64, block_c=128, split=True, block_d=128)
     if rows <= 128:
         return MoEBlocks(block_i=64)
     return MoEBlocks(block_m=64, block_i=64)
