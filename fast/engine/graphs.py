@@ -99,30 +99,41 @@ class GraphKey:
 
 
 class StaticInputs:
-    """Named fixed-size device fields (int64 and fp32), each dtype one buffer, filled from pinned host twins.
+    """Named fixed-size device fields (int64 and fp32) in one byte buffer, filled from a pinned host twin.
 
-    The host twins are numpy views of the pinned buffers: a step's fill is a few numpy writes of
+    The host twins are numpy views of the pinned buffer: a step's fill is a few numpy writes of
     microseconds each, where torch's CPU ops cost several microseconds of dispatch apiece and, on the
-    step's critical path, kept the GPU waiting (bench/results/2026-12-01-h200-perf3/).
+    step's critical path, kept the GPU waiting (bench/results/2026-12-01-h200-perf3/). One buffer, laid
+    out as early int64, early fp32, late int64, late fp32 fields (each 8-byte aligned), makes each
+    upload one copy of a range sliced once here: the H200 profile of a verify step had 4 copies and
+    their slicing at ~100 us of host time a step (bench/results/2026-12-01-h200-perf5/, timeline).
     """
 
     def __init__(self, int_fields: dict[str, int], float_fields: dict[str, int], device: torch.device,
                  early: Collection[str] = ()):
         self.views: dict[str, Tensor] = {}
         self.host: dict[str, np.ndarray] = {}
-        self._pairs = []  # (device buffer, pinned host buffer, elements of the early fields at its start)
+        groups = [(name, n, dtype) for is_early in (True, False)
+                  for dtype, fields in ((torch.long, int_fields), (torch.float32, float_fields))
+                  for name, n in fields.items() if (name in early) == is_early]
+        offsets, nbytes, early_end = [], 0, 0
+        for name, n, dtype in groups:
+            offsets.append(nbytes)
+            nbytes += -(-n * dtype.itemsize // 8) * 8  # the next field 8-byte aligned
+            if name in early:
+                early_end = nbytes
         cuda = device.type == "cuda"
-        for dtype, fields in ((torch.long, int_fields), (torch.float32, float_fields)):
-            size = sum(fields.values())
-            device_buf = torch.zeros(size, dtype=dtype, device=device)
-            host_buf = torch.zeros(size, dtype=dtype, pin_memory=cuda)
-            host_np = host_buf.numpy()
-            start = 0
-            ordered = sorted(fields.items(), key=lambda item: item[0] not in early)  # the early fields first
-            for name, n in ordered:
-                self.views[name], self.host[name] = device_buf[start:start + n], host_np[start:start + n]
-                start += n
-            self._pairs.append((device_buf, host_buf, sum(n for name, n in fields.items() if name in early)))
+        device_buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        host_buf = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
+        host_np = host_buf.numpy()
+        for (name, n, dtype), at in zip(groups, offsets):
+            size = n * dtype.itemsize
+            self.views[name] = device_buf[at:at + size].view(dtype)
+            self.host[name] = host_np[at:at + size].view(np.int64 if dtype == torch.long else np.float32)
+        # (device range, host range) per part, sliced once (a slice costs the host microseconds a step)
+        self._parts = {part: (device_buf[lo:hi], host_buf[lo:hi])
+                       for part, (lo, hi) in {"all": (0, nbytes), "early": (0, early_end),
+                                              "late": (early_end, nbytes)}.items()}
         self._uploaded = torch.cuda.Event() if cuda else None
 
     def begin_fill(self) -> dict[str, np.ndarray]:
@@ -134,11 +145,10 @@ class StaticInputs:
     def upload(self, part: str = "all") -> None:
         """Copy the host fields to the device: ``"all"``, or the ``"early"`` fields (a step's first
         graphs read only those) and later the ``"late"`` rest, whose host twins may still be written
-        while the early copy is in flight (they are other bytes)."""
-        for device_buf, host_buf, early in self._pairs:
-            lo, hi = {"all": (0, None), "early": (0, early), "late": (early, None)}[part]
-            if hi is None or hi > lo:
-                device_buf[lo:hi].copy_(host_buf[lo:hi], non_blocking=True)
+        while the early copy is in flight (they are other bytes). One copy either way."""
+        device_range, host_range = self._parts[part]
+        if device_range.numel():
+            device_range.copy_(host_range, non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
 

@@ -23,10 +23,22 @@ def fill(inputs: StaticInputs, value: float) -> None:
         field[:] = value + len(name)
 
 
-def test_early_fields_lead_their_buffers():
+def byte_range(inputs: StaticInputs, name: str) -> tuple[int, int]:
+    view = inputs.views[name]
+    start = view.storage_offset() * view.element_size()
+    return start, start + view.numel() * view.element_size()
+
+
+def test_early_fields_lead_the_buffer_and_fields_do_not_overlap():
     inputs = make()
-    assert inputs.views["anchors"].storage_offset() == 0 and inputs.views["top_p"].storage_offset() == 0
-    assert inputs.views["positions"].storage_offset() == 2 and inputs.views["bias"].storage_offset() == 2
+    ranges = {name: byte_range(inputs, name) for name in inputs.views}
+    assert max(ranges[n][1] for n in ("anchors", "top_p")) <= min(ranges[n][0] for n in ("positions", "block_tables",
+                                                                                           "bias"))
+    spans = sorted(ranges.values())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    assert all(lo % 8 == 0 for lo, _ in spans), "a field is not 8-byte aligned"
+    assert inputs.views["anchors"].dtype == torch.long and inputs.views["top_p"].dtype == torch.float32
+    assert inputs.host["anchors"].dtype == np.int64 and inputs.host["top_p"].dtype == np.float32
 
 
 def test_early_then_late_uploads_copy_exactly_their_fields():
