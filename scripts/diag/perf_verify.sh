@@ -1,7 +1,7 @@
 # The checking device call of a perf round on issue 8 (carry .whl): the GPU tests of the step path and
 # the MoE kernels, ft bench at one shape (SHAPE, RUNS, SIM: the seed's tokens per verify step), and a
-# host/device timeline of that shape's steps (scripts/diag/step_trace.py; TRACE_MODE=host-split for the
-# host's parts without a profiler; TRACES= for none; SKIP_TESTS=1, SKIP_FT_BENCH=1 skip those parts).
+# host/device timeline of that shape's steps (scripts/diag/step_trace.py; TRACES=setting:prompt_len:steps,...;
+# TRACE_MODE=host-split for the host's parts without a profiler; TRACES= for none; SKIP_TESTS=1, SKIP_FT_BENCH=1 skip those parts).
 # At most 8 files land in $OUT.
 set -u
 SKIP_CONFORMANCE=1 SKIP_KERNELS=1 SKIP_BENCH=1 bash scripts/gpu_check.sh > /dev/null 2>&1   # setup only: /tmp/pkg, /tmp/site
@@ -21,8 +21,8 @@ if [ -z "${SKIP_FT_BENCH:-}" ]; then
   echo "bench rc $?"; cp /tmp/bench/bench.md $OUT/bench-$shape.md; cp /tmp/bench/bench.json $OUT/bench-$shape.json
   grep -E "^\| (off|dflash|mtp)" /tmp/bench/bench.md || tail -5 /tmp/bench.log
 fi
-for spec in ${TRACES-"dflash7 4096 64" "off 512 32"}; do
-  set -- $spec
+for spec in $(echo "${TRACES-dflash7:4096:64,off:512:32}" | tr , ' '); do   # setting:prompt_len:steps,...
+  set -- $(echo "$spec" | tr : ' ')
   timeout 120 python3 scripts/diag/step_trace.py --model bench/shapes/$shape --draft bench/shapes/$shape-dflash2 \
     --setting $1 --prompt-len $2 --${TRACE_MODE:-timeline} $3 --list 0 > $OUT/trace-$shape-$1.txt 2>&1
   echo "trace $1 rc $?"; grep -E "^== " $OUT/trace-$shape-$1.txt; grep -A10 -E "^== (timeline|host split)" $OUT/trace-$shape-$1.txt | tail -10
