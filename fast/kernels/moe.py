@@ -71,8 +71,8 @@ def default_blocks(rows: int) -> MoEBlocks:
     """Defaults by row count, from the H200 sweeps (bench/kernels/bench_moe.py, per layer, CUDA-graph
     replays): one row (plain decode) takes the down projection in 256-column steps with a 4-stage
     pipeline (23.4 vs 27.7 us, bench/results/2026-12-01-h200/kernels/bench_moe.log); from 2 rows on, I
-    tiles of 64 (half the programs and half the partials of 32-wide tiles), with a 4-stage pipeline at
-    5-7 rows: 56.6 vs 65.7 us at 4 rows (bench/results/2026-12-01-h200-perf3/call1-bench_moe.log).
+    tiles of 64 (half the programs and half the partials of 32-wide tiles: 56.6 vs 65.7 us at 4 rows,
+    bench/results/2026-12-01-h200-perf3/call1-bench_moe.log), with a 4-stage pipeline at 5-7 rows.
     From 8 to 16 rows (a verify of k = 7 is 8 rows a request) the split form: 94.5 vs 99.5 us at 8 rows
     (I tiles of 32, down programs of 64 columns) and 162.6 vs 179.0 at 16 (bench/results/
     2026-12-01-h200-perf5/call1-moe_sweep.log; the row counts not swept keep the fused form); 64-pair
