@@ -109,10 +109,10 @@ def _scan_expert(ids_ptr, p, num_pairs, P_PAD: tl.constexpr, PAIR_TILE: tl.const
 
 
 @triton.jit
-def _chunk_pairs(ids_ptr, e, num_pairs, first, P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr,
+def _chunk_pairs(ids_ptr, e, num_pairs, count, first, P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr,
                  BLOCK_M: tl.constexpr):
-    """The pairs choosing e with ranks ``first .. first + BLOCK_M - 1`` in ascending pair order
-    (0 where there are fewer: the caller masks ranks >= count)."""
+    """``(pairs, valid)`` [BLOCK_M]: the pairs choosing e with ranks ``first .. first + BLOCK_M - 1`` in
+    ascending pair order, and which ranks exist (< count; the others' pair is 0, to be masked)."""
     wanted = first + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     pairs = tl.zeros([BLOCK_M], dtype=tl.int32)
     seen = 0  # pairs choosing e in the tiles already scanned
@@ -123,7 +123,16 @@ def _chunk_pairs(ids_ptr, e, num_pairs, first, P_PAD: tl.constexpr, PAIR_TILE: t
         hit = (match[None, :] == 1) & (rank[None, :] == wanted[:, None])  # [BLOCK_M, PAIR_TILE], one per row
         pairs += tl.sum(tl.where(hit, q[None, :], 0), axis=1)
         seen += tl.sum(match, axis=0)
-    return pairs
+    return pairs, wanted < count
+
+
+@triton.jit
+def _gate_up_rows(gate_up_ptr, e, tile, C: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr):
+    """The I tile ``tile`` of expert e: its offsets, their mask, and the row starts of its W_gate and
+    W_up rows (gate_up[e] [2I, C]: W_gate is rows 0 .. I-1, W_up rows I .. 2I-1), each [BLOCK_I]."""
+    i_offs = tile * BLOCK_I + tl.arange(0, BLOCK_I)
+    gate_rows = gate_up_ptr + e * (2 * I * C) + i_offs * C
+    return i_offs, i_offs < I, gate_rows, gate_rows + I * C
 
 
 @triton.jit
@@ -156,17 +165,11 @@ def _moe_expert_tile_kernel(x_ptr, ids_ptr, gate_up_ptr, down_ptr, partials_ptr,
     tile = tl.program_id(1)
     e, count, leader = _scan_expert(ids_ptr, p, num_pairs, P_PAD, PAIR_TILE)
     if leader:
-        i_offs = tile * BLOCK_I + tl.arange(0, BLOCK_I)
-        in_i = i_offs < I
-        # dense weights: W_gate[e] is rows 0 .. I-1 of gate_up[e] [2I, C], W_up[e] rows I .. 2I-1
-        gate_rows = gate_up_ptr + e * (2 * I * C) + i_offs * C  # [BLOCK_I] row starts of W_gate[e]
-        up_rows = gate_rows + I * C
+        i_offs, in_i, gate_rows, up_rows = _gate_up_rows(gate_up_ptr, e, tile, C, I, BLOCK_I)
         down_cols = down_ptr + e * (C * I) + i_offs  # [BLOCK_I] column starts of W_down[e] [C, I]
-        m = tl.arange(0, BLOCK_M)
         for chunk in range(MAX_CHUNKS):
             if chunk * BLOCK_M < count:
-                pairs = _chunk_pairs(ids_ptr, e, num_pairs, chunk * BLOCK_M, P_PAD, PAIR_TILE, BLOCK_M)
-                valid = chunk * BLOCK_M + m < count
+                pairs, valid = _chunk_pairs(ids_ptr, e, num_pairs, count, chunk * BLOCK_M, P_PAD, PAIR_TILE, BLOCK_M)
                 acc_gate, acc_up = _gate_up_tile(x_ptr, (pairs // TOP_K).to(tl.int64), valid, gate_rows, up_rows,
                                                  in_i, C, BLOCK_M, BLOCK_I, BLOCK_K, DOT_PRECISION)
                 h = (acc_gate * tl.sigmoid(acc_gate) * acc_up).to(down_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_I]
@@ -190,15 +193,10 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, gate_up_ptr, h_ptr, num_pairs, C: tl.con
     tile = tl.program_id(1)
     e, count, leader = _scan_expert(ids_ptr, p, num_pairs, P_PAD, PAIR_TILE)
     if leader:
-        i_offs = tile * BLOCK_I + tl.arange(0, BLOCK_I)
-        in_i = i_offs < I
-        gate_rows = gate_up_ptr + e * (2 * I * C) + i_offs * C  # [BLOCK_I] row starts of W_gate[e]
-        up_rows = gate_rows + I * C
-        m = tl.arange(0, BLOCK_M)
+        i_offs, in_i, gate_rows, up_rows = _gate_up_rows(gate_up_ptr, e, tile, C, I, BLOCK_I)
         for chunk in range(MAX_CHUNKS):
             if chunk * BLOCK_M < count:
-                pairs = _chunk_pairs(ids_ptr, e, num_pairs, chunk * BLOCK_M, P_PAD, PAIR_TILE, BLOCK_M)
-                valid = chunk * BLOCK_M + m < count
+                pairs, valid = _chunk_pairs(ids_ptr, e, num_pairs, count, chunk * BLOCK_M, P_PAD, PAIR_TILE, BLOCK_M)
                 acc_gate, acc_up = _gate_up_tile(x_ptr, (pairs // TOP_K).to(tl.int64), valid, gate_rows, up_rows,
                                                  in_i, C, BLOCK_M, BLOCK_I, BLOCK_K, DOT_PRECISION)
                 h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BLOCK_M, BLOCK_I]
@@ -219,11 +217,9 @@ def _moe_down_kernel(ids_ptr, h_ptr, down_ptr, partials_ptr, num_pairs, C: tl.co
         c_offs = tile * BLOCK_C + tl.arange(0, BLOCK_C)
         in_c = c_offs < C
         down_rows = down_ptr + e * (C * I) + c_offs * I  # [BLOCK_C] row starts of W_down[e] [C, I]
-        m = tl.arange(0, BLOCK_M)
         for chunk in range(MAX_CHUNKS):
             if chunk * BLOCK_M < count:
-                pairs = _chunk_pairs(ids_ptr, e, num_pairs, chunk * BLOCK_M, P_PAD, PAIR_TILE, BLOCK_M)
-                valid = chunk * BLOCK_M + m < count
+                pairs, valid = _chunk_pairs(ids_ptr, e, num_pairs, count, chunk * BLOCK_M, P_PAD, PAIR_TILE, BLOCK_M)
                 acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
                 for d0 in range(0, I, BLOCK_D):
                     d_offs = d0 + tl.arange(0, BLOCK_D)
