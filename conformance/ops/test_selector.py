@@ -1,6 +1,8 @@
 """fast/kernels/selector.py vs reference/selector.select: candidates and walked tokens EXACT (away from
 near-ties on the reference's path), q and the edge scores NUMERIC, greedy and sampled requests in
-one batch, k = 1..S-1, ties among the logits, odd V, K_sel, r and C."""
+one batch, k = 1..S-1, ties among the logits, odd V, K_sel, r and C. The candidates alone (C_i, U_i)
+bit for bit against the reference's stable sort: ties across vocabulary blocks and merge groups, NaN,
+-0.0 and 0.0, infinities, rows shorter than a block, V not a multiple of the block."""
 
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ from ops_helpers import NUMERIC_BOUND, pick
 
 from dflash2.fast.kernels.philox import seeds_tensor
 from dflash2.fast.kernels import selector as selector_module
-from dflash2.fast.kernels.selector import select_torch, select_triton
+from dflash2.fast.kernels.selector import select_torch, select_triton, top_candidates_torch, top_candidates_triton
 from dflash2.reference.model.draft import DraftBlockOutput
-from dflash2.reference.speculative.selector import CandidateSelector, select, selector_uniforms
+from dflash2.reference.speculative.selector import CandidateSelector, select, selector_uniforms, top_candidates
 
 NEAR_TIE = 1e-4  # fp32 near-tie logit gap (docs/tolerances.md), for sigma; relative for the draw's CDF
 
@@ -121,3 +123,73 @@ def test_select_reads_model_dtype_logits_exactly(impl_device, config):
     expected = run(fn, case, k, device, **kwargs)
     for name in ("tokens", "cand_ids", "draft_probs", "sigma"):
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
+NEG_NAN = torch.tensor(-0x400000, dtype=torch.int32).view(torch.float32).item()  # 0xffc00000: a NaN, sign bit set
+
+
+def _edge_rows(vocab: int, seed: int) -> torch.Tensor:
+    """[2, 4, V] logits whose top-K_sel cuts fall in ties and special values, placed across the 32-logit
+    blocks (and so across merge groups) that the Triton form is run with."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4, vocab, generator=gen)
+
+    def put(b: int, i: int, ids: list[int], values: list[float]) -> None:  # the ids that a short row has
+        for j, v in zip(ids, values):
+            if j < vocab:
+                x[b, i, j] = v
+
+    x[0, 0, 28:60] = 5.0  # 32 equal maxima from the end of block 0 into block 1: the winners are ids 28..
+    x[0, 0, 100:120] = 5.0  # more of them in later blocks, which must lose to the lower ids
+    x[0, 1] = -float("inf")  # a row of -inf: ids 0, 1, .. in order
+    x[0, 1, vocab - 1] = float("inf")
+    x[0, 2] = 1.5  # a constant row
+    x[0, 3] = -x[0, 3].abs()  # everything <= 0; the zeros on top, either sign, in id order
+    zeros = torch.randperm(vocab, generator=gen)[:12]
+    x[0, 3, zeros] = torch.where(torch.arange(len(zeros)) % 2 == 0, 0.0, -0.0)
+    put(0, 3, [31, 32, 63, 64], [-0.0, 0.0, 0.0, -0.0])  # at block boundaries
+    put(0, 3, [5, 70], [1e-45, -1e-45])  # the denormals next to zero keep their own places
+    put(1, 0, [3, 31, 32, 33, 95, vocab - 1], [float("nan")] * 6)  # NaN ranks above +inf
+    put(1, 0, [4, 50, 6, 51], [float("inf"), float("inf"), NEG_NAN, NEG_NAN])
+    x[1, 1] = float("nan")  # a row of NaN: ids in order
+    put(1, 1, [11], [float("inf")])
+    x[1, 2, :] = -float("inf")
+    x[1, 2, vocab // 3:] = float("nan")  # NaN and -inf only
+    x[1, 3] = torch.randint(-3, 4, (vocab,), generator=gen).float()  # 7 values: many ties in every block
+    return x
+
+
+@pytest.mark.parametrize("merge_blocks", [16, 2, 1], ids=["one-merge", "merge-pairs", "merge-each"])
+@pytest.mark.parametrize("vocab,top_k,block_v", [(200, 16, 32), (161, 5, 32), (97, 16, None), (20, 20, 32),
+                                                 (19, 3, None)],
+                         ids=lambda v: "default" if v is None else str(v))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_top_candidates_match_stable_sort(impl_device, vocab, top_k, block_v, merge_blocks, dtype, monkeypatch):
+    """C_i and U_i exactly the reference's (a stable descending sort): ids, and values bit for bit (the sign
+    of -0.0, NaN payloads), with several 32-logit blocks (V not a multiple of 32) or a row shorter than one."""
+    impl, device = impl_device
+    if merge_blocks != selector_module.MERGE_BLOCKS and impl != "triton":
+        pytest.skip("the merge levels are the Triton form's")
+    monkeypatch.setattr(selector_module, "MERGE_BLOCKS", merge_blocks)
+    logits = _edge_rows(vocab, seed=vocab + top_k).to(dtype)
+    kwargs = {"block_v": block_v} if impl == "triton" else {}
+    values, ids = pick(impl, top_candidates_torch, top_candidates_triton)(logits.to(device), top_k, **kwargs)
+    for b in range(logits.shape[0]):
+        for i in range(logits.shape[1]):
+            ref_ids, ref_values = top_candidates(logits[b, i], top_k)
+            assert ids[b, i].tolist() == ref_ids.tolist(), f"row ({b}, {i}): ids"
+            assert values[b, i].cpu().view(torch.int32).tolist() == ref_values.view(torch.int32).tolist(), \
+                f"row ({b}, {i}): value bits"
+
+
+def test_top_candidates_strided_rows(impl_device):
+    """The first k rows of [B, S-1, V] logits (a view, as ``select`` passes them) and a non-unit last stride."""
+    impl, device = impl_device
+    logits = _edge_rows(200, seed=3).to(device)
+    fn = pick(impl, top_candidates_torch, top_candidates_triton)
+    kwargs = {"block_v": 32} if impl == "triton" else {}
+    expected = fn(logits[:, :2].contiguous(), 16, **kwargs)
+    for view in (logits[:, :2], logits.transpose(1, 2).contiguous().transpose(1, 2)[:, :2]):
+        got = fn(view, 16, **kwargs)
+        assert torch.equal(got[1], expected[1])
+        assert torch.equal(got[0].view(torch.int32), expected[0].view(torch.int32))

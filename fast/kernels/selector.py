@@ -14,11 +14,12 @@ Two implementations with one result type (``SelectorBatch``):
   not a sort of the vocabulary) and the walk batched over requests (the loop is over the k <= S-1
   slots, which depend on each other). With ``all_greedy`` (the host knows every request is greedy)
   the walk skips the softmax and the keyed draws: the same picks, one-hot q.
-- ``select_triton``: three kernels. (1) block top-K: each program takes BLOCK_V logits of one row
-  and extracts its K_sel best in (logit desc, id asc) order; (2) merge: programs pick the K_sel best
-  of the block winners (equal logits come out in block order, which is id order), in two levels past
-  ``MERGE_BLOCKS`` blocks (groups of blocks in parallel, then one program per row over the groups'
-  winners, which are again in id order for equal logits);
+- ``select_triton``: three kernels, over the twin's int64 keys (unique, ordered as (logit desc, id asc)),
+  so each of the K_sel extraction rounds is one max reduction. (1) block top-K: each program takes
+  BLOCK_V logits of one row and keeps the keys of its K_sel best; (2) merge: programs pick the K_sel
+  largest of the block winners' keys, in two levels past ``MERGE_BLOCKS`` blocks (groups of blocks in
+  parallel, then one program per row over the groups' winners), and the last level decodes the ids and
+  values (``top_candidates_triton``, bit for bit the twin's);
   (3) walk: one program per request runs the k slots on [K_sel, r] tiles, with the keyed draw.
   g = h P^T is one GEMM before the walk (torch).
 """
@@ -118,57 +119,84 @@ def select_torch(draft_logits: Tensor, hidden: Tensor, projection: Tensor, prede
 
 # -- Triton ---------------------------------------------------------------------------------------
 
+# An entry of the block and merge kernels is the twin's int64 key ``ord(x) * 2^31 + (2^31 - 1 - id)``: unique
+# per token and ordered as (logit desc, id asc), so each of the K_sel extraction rounds is ONE tl.max over the
+# keys, which gives the value and the id at once (it was a max of the values, then a min of the ids equal to
+# it, and in the merge a third reduction to fetch the id), and removing the pick is ``keys == best`` (no
+# other token has that key). _EMPTY, below every token's key (ord(-inf) * 2^31 > -2^62), fills the lanes
+# past the vocabulary and the picks made from an exhausted set; a row's top_k <= V picks are never _EMPTY.
+_EMPTY = tl.constexpr(-2**63)
+_LOW31 = tl.constexpr(_INT32_MAX)
+
+
 @triton.jit
-def _block_topk_kernel(logits_ptr, stride_b, stride_i, out_val_ptr, out_pos_ptr, K: tl.constexpr,
-                       KSEL: tl.constexpr, KSEL_PAD: tl.constexpr, VOCAB: tl.constexpr, BLOCK_V: tl.constexpr,
-                       NUM_BLOCKS: tl.constexpr):
+def _order_keys(x, ids, valid):
+    """The keys of ``top_candidates_torch`` for fp32 ``x`` at int32 ``ids``; _EMPTY where not ``valid``."""
+    bits = (x + 0.0).to(tl.int32, bitcast=True)  # + 0.0 turns -0.0 into 0.0: one value, one key per id
+    order = tl.where(bits < 0, bits ^ _LOW31, bits)  # negative floats: flip the magnitude bits
+    order = tl.where(x != x, _LOW31, order)  # every NaN above +inf, as torch.sort ranks them
+    keys = (order.to(tl.int64) << 31) + (ids ^ _LOW31).to(tl.int64)  # 2^31 - 1 - id, as 0 <= id < 2^31
+    return tl.where(valid, keys, _EMPTY)
+
+
+@triton.jit
+def _top_keys(keys, KSEL: tl.constexpr, KSEL_PAD: tl.constexpr):
+    """The KSEL largest of ``keys`` in descending order, as [KSEL_PAD] (lanes past KSEL and picks past the last
+    real key: _EMPTY). One reduction a round: the keys are unique, so the max is the one pick."""
+    lanes = tl.arange(0, KSEL_PAD)
+    top = tl.full([KSEL_PAD], _EMPTY, tl.int64)
+    for j in tl.static_range(KSEL):
+        best = tl.max(keys, axis=0)
+        top = tl.where(lanes == j, best, top)
+        keys = tl.where(keys == best, _EMPTY, keys)
+    return top
+
+
+@triton.jit
+def _block_topk_kernel(logits_ptr, stride_b, stride_i, out_key_ptr, K: tl.constexpr, KSEL: tl.constexpr,
+                       KSEL_PAD: tl.constexpr, VOCAB: tl.constexpr, BLOCK_V: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+    """Program (row, blk): the keys of the KSEL best logits of ids blk*BLOCK_V .. +BLOCK_V-1 of row b*K + i,
+    written at ``(row * NUM_BLOCKS + blk) * KSEL`` (a block with fewer real ids pads with _EMPTY)."""
     row = tl.program_id(0)  # b * K + i
     blk = tl.program_id(1)
     b, i = row // K, row % K
     ids = blk * BLOCK_V + tl.arange(0, BLOCK_V)
-    x = tl.load(logits_ptr + b.to(tl.int64) * stride_b + i * stride_i + ids, mask=ids < VOCAB,
-                other=-float("inf")).to(tl.float32)
     valid = ids < VOCAB
+    x = tl.load(logits_ptr + b.to(tl.int64) * stride_b + i * stride_i + ids, mask=valid, other=0.0).to(tl.float32)
+    top = _top_keys(_order_keys(x, ids, valid), KSEL, KSEL_PAD)
     lanes = tl.arange(0, KSEL_PAD)
-    best_val = tl.full([KSEL_PAD], -float("inf"), tl.float32)
-    best_id = tl.full([KSEL_PAD], VOCAB, tl.int32)
-    for j in tl.static_range(KSEL):
-        m = tl.max(tl.where(valid, x, -float("inf")), axis=0)
-        pick = tl.min(tl.where(valid & (x == m), ids, VOCAB), axis=0)
-        best_val = tl.where(lanes == j, m, best_val)
-        best_id = tl.where(lanes == j, pick, best_id)
-        valid = valid & (ids != pick)
-    out = (row * NUM_BLOCKS + blk) * KSEL_PAD + lanes
-    tl.store(out_val_ptr + out, best_val)
-    tl.store(out_pos_ptr + out, best_id)
+    tl.store(out_key_ptr + (row * NUM_BLOCKS + blk) * KSEL + lanes, top, mask=lanes < KSEL)
 
 
 @triton.jit
-def _merge_topk_kernel(val_ptr, id_ptr, cand_ptr, unary_ptr, KSEL: tl.constexpr, KSEL_PAD: tl.constexpr,
-                       VOCAB: tl.constexpr, ENTRIES: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr):
-    """Program (row, g): the KSEL best of the row's entries g*GROUP .. (g+1)*GROUP-1 (of ENTRIES), written at
-    ``(row * groups + g) * KSEL``; a pick with nothing left gets id VOCAB and -inf (which a later merge skips)."""
+def _merge_topk_kernel(key_ptr, out_key_ptr, cand_ptr, unary_ptr, logits_ptr, stride_b, stride_i, K: tl.constexpr,
+                       KSEL: tl.constexpr, KSEL_PAD: tl.constexpr, ENTRIES: tl.constexpr, GROUP: tl.constexpr,
+                       GROUP_PAD: tl.constexpr, FINAL: tl.constexpr):
+    """Program (row, g): the KSEL largest of the row's keys g*GROUP .. (g+1)*GROUP-1 (of ENTRIES), written at
+    ``(row * groups + g) * KSEL``: as keys to ``out_key_ptr`` for a later level, or with FINAL decoded into the
+    ids (``cand_ptr``) and their logits (``unary_ptr``)."""
     row = tl.program_id(0)
     group = tl.program_id(1)
     lanes = tl.arange(0, GROUP_PAD)
     entry = group * GROUP + lanes
-    avail = (lanes < GROUP) & (entry < ENTRIES)
-    v = tl.load(val_ptr + row * ENTRIES + entry, mask=avail, other=-float("inf"))
-    ids = tl.load(id_ptr + row * ENTRIES + entry, mask=avail, other=VOCAB)
-    avail = avail & (ids < VOCAB)
+    keys = tl.load(key_ptr + row * ENTRIES + entry, mask=(lanes < GROUP) & (entry < ENTRIES), other=_EMPTY)
+    top = _top_keys(keys, KSEL, KSEL_PAD)
     out_lanes = tl.arange(0, KSEL_PAD)
-    cand = tl.zeros([KSEL_PAD], dtype=tl.int64)
-    unary = tl.zeros([KSEL_PAD], dtype=tl.float32)
-    for j in tl.static_range(KSEL):
-        m = tl.max(tl.where(avail, v, -float("inf")), axis=0)
-        pos = tl.min(tl.where(avail & (v == m), lanes, GROUP_PAD), axis=0)  # equal values: the lowest entry
-        chosen = tl.where(pos < GROUP_PAD, tl.sum(tl.where(lanes == pos, ids, 0).to(tl.int64), axis=0), VOCAB)
-        cand = tl.where(out_lanes == j, chosen, cand)
-        unary = tl.where(out_lanes == j, m, unary)
-        avail = avail & (lanes != pos)
+    in_k = out_lanes < KSEL
     out = (row * tl.num_programs(1) + group) * KSEL + out_lanes
-    tl.store(cand_ptr + out, cand, mask=out_lanes < KSEL)
-    tl.store(unary_ptr + out, unary, mask=out_lanes < KSEL)
+    if FINAL:
+        ids = (top & _LOW31) ^ _LOW31  # 2^31 - 1 - low 31 bits
+        order = (top >> 31).to(tl.int32)
+        unary = tl.where(order < 0, order ^ _LOW31, order).to(tl.float32, bitcast=True)
+        # the key is the logit's bits except for -0.0 (keyed as 0.0) and NaN (one key for every NaN): read those
+        # few back from the row, so the values are bit for bit the twin's gather (a lane masked off reads nothing)
+        reread = in_k & ((order == 0) | (order == _LOW31)) & (top != _EMPTY)
+        b, i = row // K, row % K
+        exact = tl.load(logits_ptr + b.to(tl.int64) * stride_b + i * stride_i + ids, mask=reread, other=0.0)
+        tl.store(cand_ptr + out, ids, mask=in_k)
+        tl.store(unary_ptr + out, tl.where(reread, exact.to(tl.float32), unary), mask=in_k)
+    else:
+        tl.store(out_key_ptr + out, top, mask=in_k)
 
 
 @triton.jit
@@ -187,15 +215,21 @@ def _walk_kernel(cand_ptr, unary_ptr, proj_ptr, pred_ptr, succ_ptr, anchor_tok_p
     prev = tl.load(anchor_tok_ptr + b)
     slots = tl.arange(0, K_PAD)
     uniforms = philox_uniform(seed, anchor_pos + 0 * slots, _SELECTOR, slots + 1).to(tl.float64)  # u_1..u_k
+    # slot i's candidates, unaries, g and successor rows do not depend on y_{i-1}: slot i issues slot i+1's loads
+    # (the ids with its own A[y_{i-1}] gather, their Bc rows once its stores are out), so each slot waits on
+    # about one memory latency where the chain C_i -> Bc[C_i] and A[y_{i-1}] cost two
+    cand = tl.load(cand_ptr + b * K * KSEL + lanes, mask=in_k, other=0)
+    unary = tl.load(unary_ptr + b * K * KSEL + lanes, mask=in_k, other=0.0)
+    g = tl.load(proj_ptr + b * K * RANK + rk, mask=in_r, other=0.0)
+    succ = tl.load(succ_ptr + cand[:, None] * RANK + rk[None, :], mask=in_k[:, None] & in_r[None, :], other=0.0)
     for i in range(K):
         row = b * K + i
-        cand = tl.load(cand_ptr + row * KSEL + lanes, mask=in_k, other=0)
-        unary = tl.load(unary_ptr + row * KSEL + lanes, mask=in_k, other=0.0)
-        g = tl.load(proj_ptr + row * RANK + rk, mask=in_r, other=0.0)
         pred = tl.load(pred_ptr + prev * RANK + rk, mask=in_r, other=0.0).to(tl.float32) * g
-        succ = tl.load(succ_ptr + cand[:, None] * RANK + rk[None, :], mask=in_k[:, None] & in_r[None, :],
-                       other=0.0).to(tl.float32)
-        sigma = unary + tl.sum(succ * pred[None, :], axis=1)
+        more = i + 1 < K
+        next_cand = tl.load(cand_ptr + (row + 1) * KSEL + lanes, mask=in_k & more, other=0)
+        next_unary = tl.load(unary_ptr + (row + 1) * KSEL + lanes, mask=in_k & more, other=0.0)
+        next_g = tl.load(proj_ptr + (row + 1) * RANK + rk, mask=in_r & more, other=0.0)
+        sigma = unary + tl.sum(succ.to(tl.float32) * pred[None, :], axis=1)
         sigma = tl.where(in_k, sigma, -float("inf"))
         top = tl.max(sigma, axis=0)
         z = tl.math.div_rn(sigma, temperature)
@@ -212,6 +246,53 @@ def _walk_kernel(cand_ptr, unary_ptr, proj_ptr, pred_ptr, succ_ptr, anchor_tok_p
         tl.store(tokens_ptr + row, prev)
         tl.store(probs_ptr + row * KSEL + lanes, q, mask=in_k)
         tl.store(sigma_ptr + row * KSEL + lanes, sigma, mask=in_k)
+        succ = tl.load(succ_ptr + next_cand[:, None] * RANK + rk[None, :], mask=(in_k & more)[:, None] & in_r[None, :],
+                       other=0.0)
+        cand, unary, g = next_cand, next_unary, next_g
+
+
+def _key_warps(n: int) -> int:
+    """Warps for a program that extracts from n keys: 8 keys (16 registers) a thread, 1 to 4 warps. A block of
+    1024 logits keeps the default 4; the merges' 256 keys get 1 warp, whose rounds are shuffles only (4 warps
+    add two shared-memory exchanges and three barriers a round; at the released shape the merges launch 112
+    and 7 programs, latency-bound). The picks are the same for any count: an int64 max is exact."""
+    return min(4, max(1, n // 256))
+
+
+def top_candidates_triton(logits: Tensor, top_k: int, block_v: int | None = None) -> tuple[Tensor, Tensor]:
+    """``top_candidates_torch`` by the block and merge kernels (values and ids bit for bit), for logits
+    ``[B, R, V]`` (any strides but the last) -> (values fp32, ids long) ``[B, R, top_k]``."""
+    batch, k, vocab = logits.shape
+    device = logits.device
+    cand_ids = torch.empty((batch, k, top_k), dtype=torch.int64, device=device)
+    unary = torch.empty((batch, k, top_k), dtype=torch.float32, device=device)
+    if cand_ids.numel() == 0:
+        return unary, cand_ids
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    ksel_pad = max(2, triton.next_power_of_2(top_k))
+    block_v = block_v or max(min(1024, triton.next_power_of_2(vocab)), ksel_pad)
+    num_blocks = triton.cdiv(vocab, block_v)
+    rows = batch * k
+    strides = dict(stride_b=logits.stride(0), stride_i=logits.stride(1))
+    sizes = dict(K=k, KSEL=top_k, KSEL_PAD=ksel_pad)
+    keys = torch.empty((rows, num_blocks, top_k), dtype=torch.int64, device=device)
+    _block_topk_kernel[(rows, num_blocks)](logits, out_key_ptr=keys, VOCAB=vocab, BLOCK_V=block_v,
+                                           NUM_BLOCKS=num_blocks, num_warps=_key_warps(block_v), **strides, **sizes)
+    entries = num_blocks * top_k
+    if num_blocks > MERGE_BLOCKS:  # two levels: groups of MERGE_BLOCKS blocks in parallel, then their winners
+        group = MERGE_BLOCKS * top_k
+        groups = triton.cdiv(entries, group)
+        group_keys = torch.empty((rows, groups, top_k), dtype=torch.int64, device=device)
+        group_pad = triton.next_power_of_2(group)
+        _merge_topk_kernel[(rows, groups)](keys, group_keys, cand_ids, unary, logits, ENTRIES=entries, GROUP=group,
+                                           GROUP_PAD=group_pad, FINAL=False, num_warps=_key_warps(group_pad),
+                                           **strides, **sizes)
+        keys, entries = group_keys, groups * top_k
+    entries_pad = triton.next_power_of_2(entries)
+    _merge_topk_kernel[(rows, 1)](keys, keys, cand_ids, unary, logits, ENTRIES=entries, GROUP=entries,
+                                  GROUP_PAD=entries_pad, FINAL=True, num_warps=_key_warps(entries_pad), **strides,
+                                  **sizes)
+    return unary, cand_ids
 
 
 def select_triton(draft_logits: Tensor, hidden: Tensor, projection: Tensor, predecessor_codebook: Tensor,
@@ -219,45 +300,24 @@ def select_triton(draft_logits: Tensor, hidden: Tensor, projection: Tensor, pred
                   greedy: Tensor, seeds: Tensor, anchor_positions: Tensor, block_v: int | None = None) -> SelectorBatch:
     """``select_torch`` by the Triton kernels (same arguments and result)."""
     _check(draft_logits, hidden, k, top_k)
-    batch, _, vocab = draft_logits.shape
+    batch = draft_logits.shape[0]
     device = draft_logits.device
     rank = projection.shape[0]
-    ksel_pad = max(2, triton.next_power_of_2(top_k))
-    block_v = block_v or max(min(1024, triton.next_power_of_2(vocab)), ksel_pad)
-    num_blocks = triton.cdiv(vocab, block_v)
-    logits = draft_logits if draft_logits.stride(-1) == 1 else draft_logits.contiguous()
-    rows = batch * k
-    part_val = torch.empty((rows, num_blocks, ksel_pad), dtype=torch.float32, device=device)
-    part_id = torch.empty((rows, num_blocks, ksel_pad), dtype=torch.int32, device=device)
-    cand_ids = torch.empty((batch, k, top_k), dtype=torch.int64, device=device)
-    unary = torch.empty((batch, k, top_k), dtype=torch.float32, device=device)
     tokens = torch.empty((batch, k), dtype=torch.int64, device=device)
     probs = torch.empty((batch, k, top_k), dtype=torch.float32, device=device)
     sigma = torch.empty((batch, k, top_k), dtype=torch.float32, device=device)
+    unary, cand_ids = top_candidates_triton(draft_logits[:, :k], top_k, block_v)
     if batch == 0:
         return SelectorBatch(tokens, cand_ids, probs, sigma)
-    _block_topk_kernel[(rows, num_blocks)](logits, logits.stride(0), logits.stride(1), part_val, part_id, K=k,
-                                           KSEL=top_k, KSEL_PAD=ksel_pad, VOCAB=vocab, BLOCK_V=block_v,
-                                           NUM_BLOCKS=num_blocks)
-    entries = num_blocks * ksel_pad
-    if num_blocks > MERGE_BLOCKS:  # two levels: groups of MERGE_BLOCKS blocks in parallel, then their winners
-        group = MERGE_BLOCKS * ksel_pad
-        groups = triton.cdiv(entries, group)
-        group_val = torch.empty((rows, groups, top_k), dtype=torch.float32, device=device)
-        group_id = torch.empty((rows, groups, top_k), dtype=torch.int64, device=device)
-        _merge_topk_kernel[(rows, groups)](part_val, part_id, group_id, group_val, KSEL=top_k, KSEL_PAD=ksel_pad,
-                                           VOCAB=vocab, ENTRIES=entries, GROUP=group,
-                                           GROUP_PAD=triton.next_power_of_2(group))
-        part_val, part_id, entries = group_val, group_id, groups * top_k
-    _merge_topk_kernel[(rows, 1)](part_val, part_id, cand_ids, unary, KSEL=top_k, KSEL_PAD=ksel_pad, VOCAB=vocab,
-                                  ENTRIES=entries, GROUP=entries, GROUP_PAD=triton.next_power_of_2(entries))
     projected = (hidden[:, 1:k + 1].float() @ projection.float().T).contiguous()  # [B, k, r]
+    # greedy goes in as it comes (bool): the kernel reads it as != 0, so no int8 copy is launched
     _walk_kernel[(batch,)](cand_ids, unary, projected, predecessor_codebook.contiguous(),
                            successor_codebook.contiguous(), anchor_tokens.to(torch.int64).contiguous(),
-                           temperature.float().contiguous(), greedy.to(torch.int8).contiguous(), seeds.contiguous(),
+                           temperature.float().contiguous(), greedy.contiguous(), seeds.contiguous(),
                            anchor_positions.to(torch.int64).contiguous(), tokens, probs, sigma, K=k,
                            K_PAD=max(2, triton.next_power_of_2(k)), KSEL=top_k,
-                           KSEL_PAD=ksel_pad, RANK=rank, RANK_PAD=max(2, triton.next_power_of_2(rank)))
+                           KSEL_PAD=max(2, triton.next_power_of_2(top_k)), RANK=rank,
+                           RANK_PAD=max(2, triton.next_power_of_2(rank)))
     return SelectorBatch(tokens, cand_ids, probs, sigma)
 
 
