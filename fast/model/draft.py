@@ -27,21 +27,24 @@ over all N rows does not: BLAS picks kernels (gemv, split-K) by N, seen on the C
 an H200 (cuBLAS, where a strided-batched bmm over the tiles also varied with the tile count).
 
 Block-side kernels (each a Triton kernel on CUDA and its torch twin elsewhere, dispatched by
-``use_triton``): the 2-D RMSNorms are ``norm.add_rms_norm`` (one fused kernel, the stored weight as
-its scale); a conv side is ``fast/kernels/dynamic_conv.grouped_dynamic_conv``, the finish with the
-residual add ``x + finish(...)`` fused in; q/k norms and RoPE are one ``rope.draft_qk_norm_rope``
-with cos/sin computed once per ``forward_blocks`` (every layer, q and k, share the positions); the
-window attention is ``fast/kernels/ring_attention.ring_attention`` (split-window on CUDA), reading
-each layer's ring ``RingPool.k[layer]``, ``RingPool.v[layer]`` in place; ``silu(gate) * up`` is
-``mlp.swiglu_act`` (fast/kernels/swiglu.py: one kernel reading the ``[B*S, 2I]`` gate|up output, fp32
-arithmetic rounded once to the draft dtype). The GEMMs are plain 2-D ones over the B*S rows, per layer:
-the two conv kernel projections ``[2*K*C/G, C]``; q, k and v as one over ``block_qkv_weights[layer]``
-``[(H + 2 Hkv) D, C]`` (q rows, then that layer's k|v rows of ``context_kv_weight``, copied: the
-context side keeps its one stacked matrix, so its batch-invariant GEMM and its bits are unchanged;
-about 2*Hkv*D*C elements more per layer), read by the prologue and the attention as head views;
-o_proj; gate and up as one over ``gate_up[layer]`` ``[2I, C]``; down. The per-name entries of
-``self.w`` are views: q_proj into ``block_qkv_weights``, k_proj and v_proj into ``context_kv_weight``,
-gate_proj and up_proj into ``gate_up``. The logits stay in the draft dtype (``DraftBlocks.logits``).
+``use_triton``): a sublayer's input norm, its conv's kernel projection GEMM ``delta = W_kp u``
+(``[2*K*C/G, C]``) and the conv prepare are one ``fast/kernels/conv_prepare.norm_conv_prepare`` (the
+stored weight as the norm's scale; its torch twin is the unfused norm, 2-D GEMM and conv); the final
+RMSNorm is ``norm.add_rms_norm`` (one fused kernel); the conv finish is
+``fast/kernels/dynamic_conv.grouped_dynamic_conv`` with the residual add ``x + finish(...)`` fused
+in; q/k norms and RoPE are one ``rope.draft_qk_norm_rope`` with cos/sin computed once per
+``forward_blocks`` (every layer, q and k, share the positions); the window attention is
+``fast/kernels/ring_attention.ring_attention`` (split-window on CUDA), reading each layer's ring
+``RingPool.k[layer]``, ``RingPool.v[layer]`` in place; ``silu(gate) * up`` is ``mlp.swiglu_act``
+(fast/kernels/swiglu.py: one kernel reading the ``[B*S, 2I]`` gate|up output, fp32 arithmetic rounded
+once to the draft dtype). The other GEMMs are plain 2-D ones over the B*S rows, per layer: q, k and v
+as one over ``block_qkv_weights[layer]`` ``[(H + 2 Hkv) D, C]`` (q rows, then that layer's k|v rows
+of ``context_kv_weight``, copied: the context side keeps its one stacked matrix, so its
+batch-invariant GEMM and its bits are unchanged; about 2*Hkv*D*C elements more per layer), read by
+the prologue and the attention as head views; o_proj; gate and up as one over ``gate_up[layer]``
+``[2I, C]``; down. The per-name entries of ``self.w`` are views: q_proj into ``block_qkv_weights``,
+k_proj and v_proj into ``context_kv_weight``, gate_proj and up_proj into ``gate_up``. The logits stay
+in the draft dtype (``DraftBlocks.logits``).
 """
 
 from __future__ import annotations
@@ -56,12 +59,14 @@ from torch import Tensor
 
 from dflash2.reference.formats.draft_config import DraftConfig
 
+from ..kernels.context_kv import context_k_norm_rope, rope_inv_freq
+from ..kernels.conv_prepare import norm_conv_prepare
 from ..kernels.dynamic_conv import grouped_dynamic_conv
 from ..kernels.ring_attention import ring_attention
 from .capture import graph_cut, layer_cuts
 from .mlp import swiglu_act
-from .norm import add_rms_norm, rms_norm
-from .rope import apply_rope, draft_qk_norm_rope, rope_cos_sin
+from .norm import add_rms_norm
+from .rope import draft_qk_norm_rope, rope_cos_sin
 
 if TYPE_CHECKING:
     from dflash2.fast.speculative.ring_pool import RingPool
@@ -139,6 +144,7 @@ class FastDraft:
         # forward_blocks' per-call constants: the row offsets 0..S-1 and which row holds the anchor token
         self.block_offsets = torch.arange(cfg.block_size, device=self.device)  # [S]
         self.anchor_rows = self.block_offsets == 0  # [S] bool
+        self.context_inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, self.device)  # [D/2] fp32, host-computed
         self.k_norms = torch.stack([self.norms[f"layers.{layer}.self_attn.k_norm.weight"] for layer in layers])
         # gate and up of every layer as one [2I, C] matrix (gate rows first); the per-name entries become views
         self.gate_up = []
@@ -148,50 +154,46 @@ class FastDraft:
             self.w[pair[0]], self.w[pair[1]] = fused.split(cfg.intermediate_size)
             self.gate_up.append(fused)
 
-    def _norm(self, x: Tensor, name: str) -> Tensor:
-        return rms_norm(x, self.norms[name], self.cfg.rms_norm_eps, self.dtype)
-
-    def _rope(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x ``[N, H, D]`` at positions ``[N]``, rotated in fp32, returned in the draft dtype."""
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        return apply_rope(x, cos, sin).to(self.dtype)
-
     # -- context side --------------------------------------------------------------------------
 
     def context_rows(self, features: Tensor) -> Tensor:
-        """c = RMSNorm_hidden_norm(W_fc F)  # features [N, m*C] (taps of target_layer_ids, in order) -> [N, C]."""
+        """c = RMSNorm_hidden_norm(W_fc F)  # features [N, m*C] (taps of target_layer_ids, in order) -> [N, C].
+
+        The norm is ``norm.add_rms_norm`` with no update and the stored weight as its scale (Qwen3's
+        ``w * x / rms(x)`` in fp32, rounded to the draft dtype): one kernel on CUDA, one program per row.
+        """
         expected = self.cfg.num_taps * self.cfg.hidden_size
         if features.dim() != 2 or features.shape[1] != expected:
             raise ValueError(f"features {list(features.shape)}: expected [N, {expected}] (m*C, the taps of "
                              f"target layers {list(self.cfg.target_layer_ids)} concatenated)")
-        return self._norm(features.to(self.dtype) @ self.w["fc.weight"].T, "hidden_norm.weight")
+        rows = features.to(self.dtype) @ self.w["fc.weight"].T  # [N, C]
+        return add_rms_norm(rows, None, self.norms["hidden_norm.weight"], self.cfg.rms_norm_eps, self.dtype)[1]
 
     def context_kv(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Post-RoPE keys and values of context rows, batch invariant.
 
-        rows: ``[N, C]`` at absolute ``positions [N]``. Returns k, v, each ``[L, N, Hkv, D]``.
+        rows: ``[N, C]`` at absolute ``positions [N]``. Returns k, v, each contiguous ``[L, N, Hkv, D]``.
+        After the batch-invariant GEMM, k_norm, RoPE and the ``[L, N]`` layout are one per-row kernel on
+        CUDA (``fast/kernels/context_kv.context_k_norm_rope``, batch invariant too).
         """
         cfg = self.cfg
         n, num_layers, hkv, d = rows.shape[0], cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
         kv = batch_invariant_linear(rows.to(self.dtype), self.context_kv_weight).reshape(n, num_layers, 2, hkv, d)
-        k = rms_norm(kv[:, :, 0], self.k_norms[:, None, :], cfg.rms_norm_eps, torch.float32)  # [N, L, Hkv, D]
-        k = self._rope(k.reshape(n, num_layers * hkv, d), positions).reshape(n, num_layers, hkv, d)
-        return k.transpose(0, 1).contiguous(), kv[:, :, 1].transpose(0, 1).contiguous()
+        return context_k_norm_rope(kv, self.k_norms, positions, cfg.rms_norm_eps, self.context_inv_freq)
 
     # -- the blocks ------------------------------------------------------------------------------
 
     def _block_norm(self, x: Tensor, name: str) -> Tensor:
-        """RMSNorm ``name`` of the block rows ``x [B, S, C]``: one kernel on CUDA (the context side keeps ``_norm``)."""
+        """RMSNorm ``name`` of the block rows ``x [B, S, C]``: one kernel on CUDA (the context side keeps ``_norm``;
+        the sublayer input norms are inside ``_conv_prepare``)."""
         rows = x.reshape(-1, x.shape[-1])
         return add_rms_norm(rows, None, self.norms[name], self.cfg.rms_norm_eps, self.dtype)[1].view(x.shape)
 
-    def _conv_prepare(self, u: Tensor, name: str) -> tuple[Tensor, Tensor]:
-        """Side 0 of conv ``name``: ``(u' [B, S, C], delta [B, S, 2, K, C/G])``."""
-        base, proj = self.w[f"{name}.base_kernel"], self.w[f"{name}.kernel_projection.weight"]
-        b, s, c = u.shape
-        taps = self.cfg.conv_kernel_size
-        delta = (u.reshape(b * s, c) @ proj.T).view(b, s, 2, taps, proj.shape[0] // (2 * taps))  # one 2-D GEMM
-        return grouped_dynamic_conv(u, base[0], delta[:, :, 0], self.cfg.conv_group_size), delta
+    def _conv_prepare(self, x: Tensor, norm: str, name: str) -> tuple[Tensor, Tensor]:
+        """RMSNorm ``norm`` of the residual stream ``x [B, S, C]``, then side 0 of conv ``name``:
+        ``(u' [B, S, C], delta [B, S, 2, K, C/G])``; one kernel on CUDA (norm, W_kp GEMM and conv fused)."""
+        return norm_conv_prepare(x, self.norms[norm], self.cfg.rms_norm_eps, self.w[f"{name}.kernel_projection.weight"],
+                                 self.w[f"{name}.base_kernel"], self.cfg.conv_group_size)
 
     def _conv_finish(self, o: Tensor, name: str, delta: Tensor, residual: Tensor) -> Tensor:
         """``residual +`` side 1 of conv ``name`` on the sublayer output ``o``, with prepare's delta (one kernel)."""
@@ -219,10 +221,10 @@ class FastDraft:
                anchor_positions: Tensor) -> Tensor:
         """One draft layer on the blocks' residual stream ``x [B, S, C]``."""
         w, p = self.w, f"layers.{layer}."
-        u, delta = self._conv_prepare(self._block_norm(x, f"{p}input_layernorm.weight"), f"{p}attention_conv")
+        u, delta = self._conv_prepare(x, f"{p}input_layernorm.weight", f"{p}attention_conv")
         o = self._attention(layer, u, cos, sin, ring_pool, ring_slots, anchor_positions)
         x = self._conv_finish(o, f"{p}attention_conv", delta, x)
-        u, delta = self._conv_prepare(self._block_norm(x, f"{p}post_attention_layernorm.weight"), f"{p}mlp_conv")
+        u, delta = self._conv_prepare(x, f"{p}post_attention_layernorm.weight", f"{p}mlp_conv")
         rows = u.reshape(-1, u.shape[-1])  # [B*S, C]: plain 2-D GEMMs
         m = swiglu_act(rows @ self.gate_up[layer].T) @ w[f"{p}mlp.down_proj.weight"].T  # one activation kernel
         return self._conv_finish(m.view(x.shape), f"{p}mlp_conv", delta, x)
