@@ -51,6 +51,7 @@ from .triton_compat import tl, triton, use_triton
 MIN_TILE_ROWS = 16  # tl.dot needs M >= 16: a row tile holds max(1, 16 // S) whole blocks
 GROUPS_PER_PROGRAM = 4  # GT: 2*K*GT = 16 W_kp rows per program at K = 2 (the dot's N), 64 channels at G = 16
 MAX_BLOCK_K = 256  # channels of one reduction step: a [16, 256] u tile and a [16, 256] W_kp tile
+NUM_WARPS = 4
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -156,12 +157,13 @@ def _norm_conv_prepare_kernel(x_ptr, w_ptr, proj_ptr, base_ptr, u_ptr, delta_ptr
 def norm_conv_prepare_triton(x: Tensor, norm_weight: Tensor, eps: float, kernel_projection: Tensor, base: Tensor,
                              group_size: int, groups_per_program: int = GROUPS_PER_PROGRAM,
                              blocks_per_tile: int | None = None,
-                             max_block_k: int = MAX_BLOCK_K) -> tuple[Tensor, Tensor]:
+                             max_block_k: int = MAX_BLOCK_K, num_warps: int = NUM_WARPS) -> tuple[Tensor, Tensor]:
     """``norm_conv_prepare_torch`` by one kernel: x any strides with a unit channel stride, the weights
     contiguous along C. Returns a contiguous u' ``[B, S, C]`` and delta ``[B, S, 2, K, C/G]`` in x's dtype.
 
-    ``groups_per_program`` (GT), ``blocks_per_tile`` (default max(1, 16 // S)) and ``max_block_k`` (a power
-    of two >= 16) set the tiling; the tests shrink them to reach the masks.
+    ``groups_per_program`` (GT), ``blocks_per_tile`` (default max(1, 16 // S)), ``max_block_k`` (a power
+    of two >= 16) and ``num_warps`` set the tiling; the tests shrink them to reach the masks,
+    bench/kernels/bench_draft_kernels.py sweeps them.
     """
     _check(x, norm_weight, kernel_projection, base, group_size)
     if x.dtype not in DTYPES:
@@ -195,7 +197,7 @@ def norm_conv_prepare_triton(x: Tensor, norm_weight: Tensor, eps: float, kernel_
         # Triton 3.6's interpreter (CPU tensors) multiplies 16-bit dot tiles as their uint16 bit patterns:
         # there the tiles go up to fp32 first (a product of two bf16/fp16 values is exact in fp32)
         DOT_FP32=not x.is_cuda,
-        num_warps=4)
+        num_warps=num_warps)
     return u_out, delta
 
 
