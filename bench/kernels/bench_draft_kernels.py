@@ -34,7 +34,7 @@ C, G, K, S, V, SLOTS = 2048, 16, 2, 8, 248320, 7
 CONVS = 16  # 8 layers x (attention conv, MLP conv)
 EPS = 1e-6
 CONV_CONFIGS = [dict(max_block_k=bk, num_warps=w, groups_per_program=gt)
-                for bk in (256, 512, 1024) for w in (4, 8) for gt in (1, 2, 4, 8)]
+                for bk in (256, 512, 1024) for w in (4, 8) for gt in (1, 4)]
 BLOCK_VS = (256, 512, 1024, 2048, 4096)
 
 
