@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import dflash2.fast.kernels.context_kv as context_kv
-import dflash2.fast.kernels.conv_prepare as conv_prepare
 import dflash2.fast.kernels.dynamic_conv as dynamic_conv
 import dflash2.fast.kernels.paged_attention as paged_attention
 import dflash2.fast.kernels.ring_attention as ring_attention
@@ -146,7 +145,7 @@ def cuda_kernels(monkeypatch):
     """Every block-side dispatch sent to its Triton kernel (the interpreter without a GPU), planned for 132 SMs."""
     if not HAS_TRITON or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
         pytest.skip("needs Triton on CUDA or its interpreter")
-    for module in (norm, rope, dynamic_conv, conv_prepare, context_kv, ring_attention, mlp):
+    for module in (norm, rope, dynamic_conv, context_kv, ring_attention, mlp):
         monkeypatch.setattr(module, "use_triton", lambda *tensors: True)
     monkeypatch.setattr(paged_attention, "_sm_count", lambda device: 132)
 

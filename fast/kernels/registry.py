@@ -45,10 +45,6 @@ KERNELS: tuple[KernelTwin, ...] = (
                ("dflash2.fast.kernels.dynamic_conv:grouped_dynamic_conv_torch",
                 "dflash2.fast.kernels.dynamic_conv:grouped_dynamic_conv_triton"),
                "dflash2.reference.model.conv:grouped_dynamic_conv", "conformance/ops/test_dynamic_conv.py"),
-    KernelTwin("norm_conv_prepare",  # Qwen3 norm + W_kp GEMM + conv side 0; the test composes the reference's norm
-               ("dflash2.fast.kernels.conv_prepare:norm_conv_prepare_torch",
-                "dflash2.fast.kernels.conv_prepare:norm_conv_prepare_triton"),
-               "dflash2.reference.model.conv:conv_prepare", "conformance/ops/test_conv_prepare.py"),
     KernelTwin("draft_qk_norm_rope",  # the draft's per-head Qwen3 norms + full RoPE; the test composes the reference's
                ("dflash2.fast.model.rope:draft_qk_norm_rope_torch",
                 "dflash2.fast.kernels.attention_prologue:draft_qk_norm_rope_triton"),

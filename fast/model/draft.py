@@ -27,24 +27,21 @@ over all N rows does not: BLAS picks kernels (gemv, split-K) by N, seen on the C
 an H200 (cuBLAS, where a strided-batched bmm over the tiles also varied with the tile count).
 
 Block-side kernels (each a Triton kernel on CUDA and its torch twin elsewhere, dispatched by
-``use_triton``): a sublayer's input norm, its conv's kernel projection GEMM ``delta = W_kp u``
-(``[2*K*C/G, C]``) and the conv prepare are one ``fast/kernels/conv_prepare.norm_conv_prepare`` (the
-stored weight as the norm's scale; its torch twin is the unfused norm, 2-D GEMM and conv); the final
-RMSNorm is ``norm.add_rms_norm`` (one fused kernel); the conv finish is
-``fast/kernels/dynamic_conv.grouped_dynamic_conv`` with the residual add ``x + finish(...)`` fused
-in; q/k norms and RoPE are one ``rope.draft_qk_norm_rope`` with cos/sin computed once per
-``forward_blocks`` (every layer, q and k, share the positions); the window attention is
-``fast/kernels/ring_attention.ring_attention`` (split-window on CUDA), reading each layer's ring
-``RingPool.k[layer]``, ``RingPool.v[layer]`` in place; ``silu(gate) * up`` is ``mlp.swiglu_act``
-(fast/kernels/swiglu.py: one kernel reading the ``[B*S, 2I]`` gate|up output, fp32 arithmetic rounded
-once to the draft dtype). The other GEMMs are plain 2-D ones over the B*S rows, per layer: q, k and v
-as one over ``block_qkv_weights[layer]`` ``[(H + 2 Hkv) D, C]`` (q rows, then that layer's k|v rows
-of ``context_kv_weight``, copied: the context side keeps its one stacked matrix, so its
-batch-invariant GEMM and its bits are unchanged; about 2*Hkv*D*C elements more per layer), read by
-the prologue and the attention as head views; o_proj; gate and up as one over ``gate_up[layer]``
-``[2I, C]``; down. The per-name entries of ``self.w`` are views: q_proj into ``block_qkv_weights``,
-k_proj and v_proj into ``context_kv_weight``, gate_proj and up_proj into ``gate_up``. The logits stay
-in the draft dtype (``DraftBlocks.logits``).
+``use_triton``): the 2-D RMSNorms are ``norm.add_rms_norm`` (one fused kernel, the stored weight as
+its scale); a conv side is ``fast/kernels/dynamic_conv.grouped_dynamic_conv``, the finish with the
+residual add ``x + finish(...)`` fused in; q/k norms and RoPE are one ``rope.draft_qk_norm_rope``
+with cos/sin computed once per ``forward_blocks`` (every layer, q and k, share the positions); the
+window attention is ``fast/kernels/ring_attention.ring_attention`` (split-window on CUDA), reading
+each layer's ring ``RingPool.k[layer]``, ``RingPool.v[layer]`` in place; ``silu(gate) * up`` is
+``mlp.swiglu_act`` (fast/kernels/swiglu.py: one kernel reading the ``[B*S, 2I]`` gate|up output, fp32
+arithmetic rounded once to the draft dtype). The GEMMs are plain 2-D ones over the B*S rows, per layer:
+the two conv kernel projections ``[2*K*C/G, C]``; q, k and v as one over ``block_qkv_weights[layer]``
+``[(H + 2 Hkv) D, C]`` (q rows, then that layer's k|v rows of ``context_kv_weight``, copied: the
+context side keeps its one stacked matrix, so its batch-invariant GEMM and its bits are unchanged;
+about 2*Hkv*D*C elements more per layer), read by the prologue and the attention as head views;
+o_proj; gate and up as one over ``gate_up[layer]`` ``[2I, C]``; down. The per-name entries of
+``self.w`` are views: q_proj into ``block_qkv_weights``, k_proj and v_proj into ``context_kv_weight``,
+gate_proj and up_proj into ``gate_up``. The logits stay in the draft dtype (``DraftBlocks.logits``).
 """
 
 from __future__ import annotations
@@ -60,7 +57,6 @@ from torch import Tensor
 from dflash2.reference.formats.draft_config import DraftConfig
 
 from ..kernels.context_kv import context_k_norm_rope, rope_inv_freq
-from ..kernels.conv_prepare import norm_conv_prepare
 from ..kernels.dynamic_conv import grouped_dynamic_conv
 from ..kernels.ring_attention import ring_attention
 from .capture import graph_cut, layer_cuts
@@ -184,16 +180,17 @@ class FastDraft:
     # -- the blocks ------------------------------------------------------------------------------
 
     def _block_norm(self, x: Tensor, name: str) -> Tensor:
-        """RMSNorm ``name`` of the block rows ``x [B, S, C]``: one kernel on CUDA (the context side keeps ``_norm``;
-        the sublayer input norms are inside ``_conv_prepare``)."""
+        """RMSNorm ``name`` of the block rows ``x [B, S, C]``: one kernel on CUDA (as the context rows' norm)."""
         rows = x.reshape(-1, x.shape[-1])
         return add_rms_norm(rows, None, self.norms[name], self.cfg.rms_norm_eps, self.dtype)[1].view(x.shape)
 
-    def _conv_prepare(self, x: Tensor, norm: str, name: str) -> tuple[Tensor, Tensor]:
-        """RMSNorm ``norm`` of the residual stream ``x [B, S, C]``, then side 0 of conv ``name``:
-        ``(u' [B, S, C], delta [B, S, 2, K, C/G])``; one kernel on CUDA (norm, W_kp GEMM and conv fused)."""
-        return norm_conv_prepare(x, self.norms[norm], self.cfg.rms_norm_eps, self.w[f"{name}.kernel_projection.weight"],
-                                 self.w[f"{name}.base_kernel"], self.cfg.conv_group_size)
+    def _conv_prepare(self, u: Tensor, name: str) -> tuple[Tensor, Tensor]:
+        """Side 0 of conv ``name``: ``(u' [B, S, C], delta [B, S, 2, K, C/G])``."""
+        base, proj = self.w[f"{name}.base_kernel"], self.w[f"{name}.kernel_projection.weight"]
+        b, s, c = u.shape
+        taps = self.cfg.conv_kernel_size
+        delta = (u.reshape(b * s, c) @ proj.T).view(b, s, 2, taps, proj.shape[0] // (2 * taps))  # one 2-D GEMM
+        return grouped_dynamic_conv(u, base[0], delta[:, :, 0], self.cfg.conv_group_size), delta
 
     def _conv_finish(self, o: Tensor, name: str, delta: Tensor, residual: Tensor) -> Tensor:
         """``residual +`` side 1 of conv ``name`` on the sublayer output ``o``, with prepare's delta (one kernel)."""
@@ -221,10 +218,10 @@ class FastDraft:
                anchor_positions: Tensor) -> Tensor:
         """One draft layer on the blocks' residual stream ``x [B, S, C]``."""
         w, p = self.w, f"layers.{layer}."
-        u, delta = self._conv_prepare(x, f"{p}input_layernorm.weight", f"{p}attention_conv")
+        u, delta = self._conv_prepare(self._block_norm(x, f"{p}input_layernorm.weight"), f"{p}attention_conv")
         o = self._attention(layer, u, cos, sin, ring_pool, ring_slots, anchor_positions)
         x = self._conv_finish(o, f"{p}attention_conv", delta, x)
-        u, delta = self._conv_prepare(x, f"{p}post_attention_layernorm.weight", f"{p}mlp_conv")
+        u, delta = self._conv_prepare(self._block_norm(x, f"{p}post_attention_layernorm.weight"), f"{p}mlp_conv")
         rows = u.reshape(-1, u.shape[-1])  # [B*S, C]: plain 2-D GEMMs
         m = swiglu_act(rows @ self.gate_up[layer].T) @ w[f"{p}mlp.down_proj.weight"].T  # one activation kernel
         return self._conv_finish(m.view(x.shape), f"{p}mlp_conv", delta, x)
