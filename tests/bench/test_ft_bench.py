@@ -27,6 +27,25 @@ def test_simulated_acceptance_tracks_the_mean():
     assert set(kept) <= {4, 5} and sum(kept) == 447  # 4.47 drafts kept per step, 5.47 tokens committed
 
 
+def test_the_timed_run_repeats_the_warm_ups_acceptance(tiny, tmp_path, monkeypatch):
+    """Every verify of the timed run keeps what the warm-up's verify at the same step kept (so it meets no
+    shape the warm-up did not: a new one would compile or capture inside the timed steps)."""
+    seen: list[int] = []
+
+    class Recording(SimulatedAcceptance):
+        def __call__(self) -> int:
+            seen.append(self.step)
+            return super().__call__()
+
+    monkeypatch.setattr("dflash2.bench.run.SimulatedAcceptance", Recording)
+    target, draft = tiny
+    assert main(["bench", "--model", str(target), "--draft", str(draft), "--load-format", "dummy",
+                 "--runs", "dflash7:1:9", "--max-tokens", "12", "--simulate-tokens-per-step", "2.5",
+                 "--out", str(tmp_path / "out")]) == 0
+    half = len(seen) // 2
+    assert half >= 2 and seen == list(range(half)) * 2, seen
+
+
 def test_ft_bench_runs_every_setting_and_writes_its_report(tiny, tmp_path):
     target, draft = tiny
     out = tmp_path / "results"
