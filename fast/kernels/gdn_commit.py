@@ -29,7 +29,8 @@ bit for bit the state the verify kernel reached after row kept_b - 1 (and the st
 run of the same rows gives): its state programs are the recurrence kernel's (fast/kernels/gdn_recurrent.py),
 one per (value head, Dv block of ``block_v``) on a ``[DK_PAD, block_v]`` tile with the same
 ``NUM_WARPS``, loading the state tile and the row inputs as it does and calling the same
-``delta_rule_step``; rows r >= kept_b are skipped. The torch form replays with
+``delta_rule_step``; rows r >= kept_b are dropped (the row loop is unrolled and branch-free, a select keeps
+the state of row kept_b - 1). The torch form replays with
 ``delta_rule_step_torch`` per layer, as ``gated_delta_rule_verify_torch`` runs the rows, so it
 equals that run bit for bit; kernel and torch form agree to fp32 rounding (NUMERIC). Wherever two
 sequences write one slot (padding sequences all write the trash slot) it holds one of them; nothing
@@ -146,14 +147,16 @@ def _gdn_commit_kernel(conv_ptr, rec_ptr, vconv_ptr, rows_k_ptr, rows_v_ptr, row
         state = rec_ptr + layer * stride_rl + slot * stride_rs
         s = tl.load(state + s_offs, mask=in_s & readable, other=0.0).to(tl.float32)
         first_row = (layer * scratch_seqs + b) * ROWS  # the dense [L, B', R, ...] scratch
-        for r in range(ROWS):
-            if r < kept:
-                n = first_row + r
-                k = tl.load(rows_k_ptr + n * (HK * DK) + key_head * DK + dk, mask=in_k, other=0.0).to(tl.float32)
-                v = tl.load(rows_v_ptr + n * (HV * DV) + h * DV + dv, mask=in_v, other=0.0).to(tl.float32)
-                g = tl.load(rows_g_ptr + n * HV + h).to(tl.float32)
-                beta = tl.load(rows_beta_ptr + n * HV + h).to(tl.float32)
-                s = delta_rule_step(s, k, v, g, beta)
+        # unrolled, branch-free: every row's loads may issue up front (a kept row's loads waited on the
+        # previous row's branch); a row past kept runs on zeros and its result is dropped by the select
+        for r in tl.static_range(ROWS):
+            live = r < kept
+            n = first_row + r
+            k = tl.load(rows_k_ptr + n * (HK * DK) + key_head * DK + dk, mask=in_k & live, other=0.0).to(tl.float32)
+            v = tl.load(rows_v_ptr + n * (HV * DV) + h * DV + dv, mask=in_v & live, other=0.0).to(tl.float32)
+            g = tl.load(rows_g_ptr + n * HV + h, mask=live, other=0.0).to(tl.float32)
+            beta = tl.load(rows_beta_ptr + n * HV + h, mask=live, other=0.0).to(tl.float32)
+            s = tl.where(live, delta_rule_step(s, k, v, g, beta), s)
         tl.debug_barrier()  # every thread's read of the old tile happens before any write of the new one
         tl.store(state + s_offs, s, mask=in_s)
     else:  # BLOCK_C whole channels of the conv state: window positions kept .. kept + K-2
