@@ -11,6 +11,22 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def step_ratios(runs: list[dict]) -> list[tuple[dict, dict, float]]:
+    """Each speculative run beside the plain-decode run at its concurrency and prompt length that ran
+    last before it (runs of one process side by side, the issue's "one verify step / one decode step"):
+    ``(run, off_run, verify_ms / decode_ms)`` for each speculative run that has one."""
+    pairs, last_off = [], {}
+    for r in runs:
+        if "error" in r or r.get("step_ms_median") is None:
+            continue
+        key = (r["concurrency"], r["prompt_len"])
+        if r["algorithm"] == "none":
+            last_off[key] = r
+        elif key in last_off:
+            pairs.append((r, last_off[key], r["step_ms_median"] / last_off[key]["step_ms_median"]))
+    return pairs
+
+
 def markdown(result: dict) -> str:
     sim = result.get("simulated_tokens_per_step")
     lines = [
@@ -42,6 +58,12 @@ def markdown(result: dict) -> str:
             f"| {_fmt(r['tokens_per_step'], '.2f')} | {_fmt(r['tokens_per_s'], '.1f')} | {r['prefill_s']:.2f} "
             f"| {r['kv_tokens']} | {r['draft_params'] / 1e6:.0f}M | {slot_mib:.0f} "
             f"| {r.get('workspace_bytes', 0) / 2**20:.0f} |")
+    pairs = step_ratios(result["runs"])
+    if pairs:
+        lines += ["", "One speculative step over one decode step (each beside the off run at its concurrency and "
+                  "prompt that ran last before it):", ""]
+        lines += [f"- {r['setting']} c={r['concurrency']} p={r['prompt_len']}: {r['step_ms_median']:.2f} / "
+                  f"{off['step_ms_median']:.2f} ms = {ratio:.3f}" for r, off, ratio in pairs]
     for r in result["runs"]:
         prof = r.get("profile") if "error" not in r else None
         if prof:

@@ -65,6 +65,9 @@ def test_ft_bench_runs_every_setting_and_writes_its_report(tiny, tmp_path):
     assert runs["dflash7"]["draft_params"] > 0 and runs["dflash7"]["ring_bytes_per_slot"] > 0
     text = (out / "bench.md").read_text()
     assert "simulated acceptance (timing only)" in text and "| dflash7 | 2 | 9 | verify |" in text
+    ratio = runs["dflash7"]["step_ms_median"] / runs["off"]["step_ms_median"]
+    assert (f"- dflash7 c=2 p=9: {runs['dflash7']['step_ms_median']:.2f} / {runs['off']['step_ms_median']:.2f} ms "
+            f"= {ratio:.3f}") in text
 
 
 @pytest.mark.parametrize("flags, field", [
@@ -85,6 +88,7 @@ def test_explicit_runs_replace_the_cross_product(tiny, tmp_path):
                  "--runs", "off:1:9,dflash7:2:5", "--max-tokens", "6", "--out", str(out)]) == 0
     runs = json.loads((out / "bench.json").read_text())["runs"]
     assert [(r["setting"], r["concurrency"], r["prompt_len"]) for r in runs] == [("off", 1, 9), ("dflash7", 2, 5)]
+    assert "One speculative step over one decode step" not in (out / "bench.md").read_text()  # no off run at c=2 p=5
     with pytest.raises(SystemExit) as exc:  # argparse's own usage error
         main(["bench", "--model", str(target), "--runs", "dflash9:1:4"])
     assert exc.value.code == 2
