@@ -46,8 +46,8 @@ stored inside it (each row's o goes into a ``[ROWS_PAD, block_v]`` register tile
 after the loop with the scratch inputs, which are reloaded as tiles), so no store sits between one
 row's loads and the next's and the compiler may issue every row's q, k, v, g, beta loads up front:
 the looped form waits on each row's loads in turn (8.8 us a layer for 8 rows against 3.3 for a
-decode's one, perf5 call 5). The arithmetic is the same statements in the same order, so the state
-and o have the same bits either way.
+decode's one, perf5 call 5; 7.7 unrolled, perf6 call 2). Both forms run the same ``_row_step``, so
+the state and o have the same bits either way.
 
 The commit's replay runs :func:`delta_rule_step` on the same ``[DK_PAD, block_v]`` tiles
 (``default_block_v``) with ``NUM_WARPS`` warps, so ``tl.sum`` reduces in the same order and the
@@ -215,6 +215,20 @@ def delta_rule_step(s, k, v, g, beta):
 
 
 @triton.jit
+def _row_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n, active, stride_q, stride_k, stride_v, stride_g, stride_beta,
+              key_head, h, dk, in_k, dv, in_v, DK: tl.constexpr, DV: tl.constexpr):
+    """Row n's loads, its :func:`delta_rule_step` and ``o_t = S_t^T q_t``: returns (S_t, o_t, k, v, g, beta).
+    An inactive row (past the sequence) loads g = beta = k = 0, which leaves S as it is."""
+    q = tl.load(q_ptr + n * stride_q + key_head * DK + dk, mask=in_k & active, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + n * stride_k + key_head * DK + dk, mask=in_k & active, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + n * stride_v + h * DV + dv, mask=in_v & active, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + n * stride_g + h, mask=active, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + n * stride_beta + h, mask=active, other=0.0).to(tl.float32)
+    s = delta_rule_step(s, k, v, g, beta)
+    return s, tl.sum(s * q[:, None], axis=0), k, v, g, beta
+
+
+@triton.jit
 def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, state_index_ptr, cu_ptr, o_ptr,
                           final_ptr, final_index_ptr, rows_k_ptr, rows_v_ptr, rows_g_ptr, rows_beta_ptr, stride_q,
                           stride_k, stride_v, stride_g, stride_beta, stride_h0, scratch_rows,
@@ -249,15 +263,8 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, state_in
         n_all = bos + rr
         o_all = tl.zeros([ROWS_PAD, BLOCK_V], dtype=tl.float32)
         for r in tl.static_range(ROWS):
-            active = r < seq_len
-            n = bos + r
-            q = tl.load(q_ptr + n * stride_q + key_head * DK + dk, mask=in_k & active, other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + n * stride_k + key_head * DK + dk, mask=in_k & active, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + n * stride_v + h * DV + dv, mask=in_v & active, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + n * stride_g + h, mask=active, other=0.0).to(tl.float32)
-            beta = tl.load(beta_ptr + n * stride_beta + h, mask=active, other=0.0).to(tl.float32)
-            s = delta_rule_step(s, k, v, g, beta)
-            o = tl.sum(s * q[:, None], axis=0)  # o_t = S_t^T q_t
+            s, o, _, _, _, _ = _row_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, bos + r, r < seq_len, stride_q,
+                                         stride_k, stride_v, stride_g, stride_beta, key_head, h, dk, in_k, dv, in_v, DK, DV)
             o_all = tl.where(rr[:, None] == r, o[None, :], o_all)  # a select: o's bits as computed
         tl.store(o_ptr + n_all[:, None] * (HV * DV) + h * DV + dv[None, :], o_all,
                  mask=row_live[:, None] & in_v[None, :])
@@ -278,15 +285,10 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, state_in
                      mask=k_live & stores_k)
     else:
         for r in range(ROWS):
-            active = r < seq_len  # rows past the sequence: g = beta = k = 0 leaves S as it is
+            active = r < seq_len
             n = bos + r
-            q = tl.load(q_ptr + n * stride_q + key_head * DK + dk, mask=in_k & active, other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + n * stride_k + key_head * DK + dk, mask=in_k & active, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + n * stride_v + h * DV + dv, mask=in_v & active, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + n * stride_g + h, mask=active, other=0.0).to(tl.float32)
-            beta = tl.load(beta_ptr + n * stride_beta + h, mask=active, other=0.0).to(tl.float32)
-            s = delta_rule_step(s, k, v, g, beta)
-            o = tl.sum(s * q[:, None], axis=0)  # o_t = S_t^T q_t
+            s, o, k, v, g, beta = _row_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n, active, stride_q, stride_k,
+                                            stride_v, stride_g, stride_beta, key_head, h, dk, in_k, dv, in_v, DK, DV)
             tl.store(o_ptr + n * (HV * DV) + h * DV + dv, o, mask=in_v & active)
             if STORE_INPUTS:  # dense [B', R, ...] scratch; v rounds back to its own dtype exactly
                 row = b.to(tl.int64) * scratch_rows + r
