@@ -83,6 +83,10 @@ KERNELS: tuple[KernelTwin, ...] = (
                ("dflash2.fast.model.rope:qk_norm_rope_torch",
                 "dflash2.fast.kernels.attention_prologue:qk_norm_rope_triton"),
                "dflash2.reference.model.rope:apply_rope", "conformance/ops/test_attention_prologue.py"),
+    KernelTwin("skinny_linear",  # x @ W.T at a few rows, optionally SwiGLU'd; the test holds it to the exact product
+               ("dflash2.fast.kernels.skinny_linear:skinny_linear_torch",
+                "dflash2.fast.kernels.skinny_linear:skinny_linear_triton"),
+               "dflash2.reference.model.mlp:swiglu", "conformance/ops/test_skinny_linear.py"),
     KernelTwin("swiglu",  # silu(gate) * up of the fused gate|up GEMM output; the reference's is inside its swiglu
                ("dflash2.fast.model.mlp:swiglu_act_torch", "dflash2.fast.kernels.swiglu:swiglu_act_triton"),
                "dflash2.reference.model.mlp:swiglu", "conformance/ops/test_swiglu.py"),

@@ -32,14 +32,17 @@ its scale); a conv side is ``fast/kernels/dynamic_conv.grouped_dynamic_conv``, t
 residual add ``x + finish(...)`` fused in; q/k norms and RoPE are one ``rope.draft_qk_norm_rope``
 with cos/sin computed once per ``forward_blocks`` (every layer, q and k, share the positions); the
 window attention is ``fast/kernels/ring_attention.ring_attention`` (split-window on CUDA), reading
-each layer's ring ``RingPool.k[layer]``, ``RingPool.v[layer]`` in place; ``silu(gate) * up`` is
-``mlp.swiglu_act`` (fast/kernels/swiglu.py: one kernel reading the ``[B*S, 2I]`` gate|up output, fp32
-arithmetic rounded once to the draft dtype). The GEMMs are plain 2-D ones over the B*S rows, per layer:
-the two conv kernel projections ``[2*K*C/G, C]``; q, k and v as one over ``block_qkv_weights[layer]``
+each layer's ring ``RingPool.k[layer]``, ``RingPool.v[layer]`` in place. The GEMMs are 2-D ones over
+the B*S rows, per layer (``fast/kernels/skinny_linear.skinny_linear`` where the H200 sweep found it
+faster than cuBLAS, up to the row count measured: the conv kernel projections, gate|up, down, and fc
+on the context side; cuBLAS for q|k|v, o and the LM head): the two conv kernel projections
+``[2*K*C/G, C]``; q, k and v as one over ``block_qkv_weights[layer]``
 ``[(H + 2 Hkv) D, C]`` (q rows, then that layer's k|v rows of ``context_kv_weight``, copied: the
 context side keeps its one stacked matrix, so its batch-invariant GEMM and its bits are unchanged;
 about 2*Hkv*D*C elements more per layer), read by the prologue and the attention as head views;
-o_proj; gate and up as one over ``gate_up[layer]`` ``[2I, C]``; down. The per-name entries of
+o_proj; gate and up as one over ``gate_up[layer]`` ``[2I, C]`` with ``silu(gate) * up`` as its
+epilogue (fp32, rounded once to the draft dtype; the torch form is ``mlp.swiglu_act_torch`` of the
+GEMM's output); down. The LM head stays in cuBLAS, which streams its 1 GB at the floor. The per-name entries of
 ``self.w`` are views: q_proj into ``block_qkv_weights``, k_proj and v_proj into ``context_kv_weight``,
 gate_proj and up_proj into ``gate_up``. The logits stay in the draft dtype (``DraftBlocks.logits``).
 """
@@ -59,8 +62,8 @@ from dflash2.reference.formats.draft_config import DraftConfig
 from ..kernels.context_kv import context_k_norm_rope, rope_inv_freq
 from ..kernels.dynamic_conv import grouped_dynamic_conv
 from ..kernels.ring_attention import ring_attention
+from ..kernels.skinny_linear import skinny_linear
 from .capture import graph_cut, layer_cuts
-from .mlp import swiglu_act
 from .norm import add_rms_norm
 from .rope import draft_qk_norm_rope, rope_cos_sin
 
@@ -133,10 +136,12 @@ class FastDraft:
             fused = torch.cat([self.w[name], kv])
             self.w[name] = fused[:cfg.num_attention_heads * cfg.head_dim]
             self.block_qkv_weights.append(fused)
-        for layer in layers:  # the conv kernel projections as contiguous [2*K*C/G, C] for plain 2-D GEMMs
-            for conv in ("attention_conv", "mlp_conv"):
-                name = f"layers.{layer}.{conv}.kernel_projection.weight"
-                self.w[name] = self.w[name].contiguous()
+        # contiguous [N, K] for skinny_linear (which takes the torch form for any other layout): the conv
+        # kernel projections [2*K*C/G, C], down_proj and fc
+        names = ["fc.weight"] + [f"layers.{layer}.{name}" for layer in layers for name in (
+            "attention_conv.kernel_projection.weight", "mlp_conv.kernel_projection.weight", "mlp.down_proj.weight")]
+        for name in names:
+            self.w[name] = self.w[name].contiguous()
         # forward_blocks' per-call constants: the row offsets 0..S-1 and which row holds the anchor token
         self.block_offsets = torch.arange(cfg.block_size, device=self.device)  # [S]
         self.anchor_rows = self.block_offsets == 0  # [S] bool
@@ -162,7 +167,7 @@ class FastDraft:
         if features.dim() != 2 or features.shape[1] != expected:
             raise ValueError(f"features {list(features.shape)}: expected [N, {expected}] (m*C, the taps of "
                              f"target layers {list(self.cfg.target_layer_ids)} concatenated)")
-        rows = features.to(self.dtype) @ self.w["fc.weight"].T  # [N, C]
+        rows = skinny_linear(features.to(self.dtype), self.w["fc.weight"], max_rows=16)  # [N, C]
         return add_rms_norm(rows, None, self.norms["hidden_norm.weight"], self.cfg.rms_norm_eps, self.dtype)[1]
 
     def context_kv(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -189,7 +194,7 @@ class FastDraft:
         base, proj = self.w[f"{name}.base_kernel"], self.w[f"{name}.kernel_projection.weight"]
         b, s, c = u.shape
         taps = self.cfg.conv_kernel_size
-        delta = (u.reshape(b * s, c) @ proj.T).view(b, s, 2, taps, proj.shape[0] // (2 * taps))  # one 2-D GEMM
+        delta = skinny_linear(u.reshape(b * s, c), proj).view(b, s, 2, taps, proj.shape[0] // (2 * taps))
         return grouped_dynamic_conv(u, base[0], delta[:, :, 0], self.cfg.conv_group_size), delta
 
     def _conv_finish(self, o: Tensor, name: str, delta: Tensor, residual: Tensor) -> Tensor:
@@ -222,8 +227,9 @@ class FastDraft:
         o = self._attention(layer, u, cos, sin, ring_pool, ring_slots, anchor_positions)
         x = self._conv_finish(o, f"{p}attention_conv", delta, x)
         u, delta = self._conv_prepare(self._block_norm(x, f"{p}post_attention_layernorm.weight"), f"{p}mlp_conv")
-        rows = u.reshape(-1, u.shape[-1])  # [B*S, C]: plain 2-D GEMMs
-        m = swiglu_act(rows @ self.gate_up[layer].T) @ w[f"{p}mlp.down_proj.weight"].T  # one activation kernel
+        rows = u.reshape(-1, u.shape[-1])  # [B*S, C]
+        act = skinny_linear(rows, self.gate_up[layer], swiglu=True, max_rows=16)  # [B*S, I]
+        m = skinny_linear(act, w[f"{p}mlp.down_proj.weight"], max_rows=32)
         return self._conv_finish(m.view(x.shape), f"{p}mlp_conv", delta, x)
 
     def forward_blocks(self, anchor_tokens: Tensor, anchor_positions: Tensor, ring_pool: RingPool,

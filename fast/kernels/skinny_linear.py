@@ -1,0 +1,207 @@
+"""``x @ W.T`` for a few rows (the draft's block rows: 8 a request), twin of the plain matmul (torch form
+``skinny_linear_torch``; reference: every ``x @ W.T`` of ``reference/model``, and ``mlp.swiglu``).
+
+M rows, K inputs, N outputs; W ``[N, K]`` (or ``[2N, K]``, gate rows then up rows, with ``swiglu``)::
+
+    y[m, n] = sum_k x[m, k] W[n, k]                                   fp32 accumulation, one rounding
+    swiglu:   y[m, n] = silu(g) * u,  g = sum_k x[m, k] W[n, k],  u = sum_k x[m, k] W[N + n, k]
+
+Why a kernel of our own: at 8 rows a GEMM is a stream of W's bytes, and cuBLAS tiles N by 64 to 128
+columns there, so a ``[2048, 2048]`` projection runs on 16-32 of the H200's 132 SMs (``nvjet_..._64x8``
+at ~35-50% of the bytes' floor in the perf6 traces; the ``[512, 2048]`` conv kernel projections take
+5.4 us where their 2 MiB take 0.5). Here one program owns ``BLOCK_N`` (16-64) output columns of one
+``BLOCK_M``-row tile and one of ``SPLIT_K`` ranges of K, so even small projections spread over the
+whole GPU, and the SwiGLU of a gate|up projection is the GEMM's epilogue (no ``[M, 2I]`` round trip, one
+launch fewer). That epilogue reads g and u in fp32; the torch form (a matmul in x's dtype, then
+``mlp.swiglu_act_torch``) rounds them to x's dtype first, so in bf16 the two differ by that rounding.
+
+Split-K without a second kernel and without float atomics: each program stores its fp32 partial to
+a workspace, then takes a ticket from its output tile's counter (``atomic_add``, acquire-release,
+GPU scope, after a CTA barrier so the whole partial is ordered before it). The program drawing the
+last ticket sums the SPLIT_K partials in split order (0, 1, ...), whichever programs ran first, so the
+bits are the same on every call and in a CUDA-graph replay; it then writes y and resets the counter
+to 0 for the next call. The counters are one zeroed int32 buffer per device, made on the first call
+(the engine's eager warm-up, before any capture) and left zeroed by every call. A different SPLIT_K
+or BLOCK_K sums in a different order: rounding differences within NUMERIC of the reference, never
+between two calls with one config.
+
+Bound: memory (W's bytes once; x is re-read from L2 by each program: ``M K`` elements per column
+tile), and at these sizes the latency of a launch: on the H200 (perf7 sweep, back-to-back calls in a
+graph) the best configs are only 7-14% faster than cuBLAS, a 2 MiB projection still takes ~4.6 us
+and gate|up reaches 69% of its floor, and q|k|v [3072, 2048] and o [2048, 2048] stay faster in
+cuBLAS (6.87 and 6.34 us against 7.54 and 6.39), so the draft keeps cuBLAS there. No host sync; the
+grid depends on the shapes and the config only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .triton_compat import tl, triton, use_triton
+
+MAX_ROWS = 64  # above this the draft's batch is a real GEMM and cuBLAS wins (the engine's dispatch)
+MAX_TILES = 16384  # counters per device: (M tiles) x (N tiles) of one split-K call
+_COUNTERS: dict[torch.device, Tensor] = {}
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Tiling of one call (powers of two; BLOCK_M and BLOCK_N at least 16, the tl.dot minimum)."""
+
+    block_n: int = 16
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def default_config(rows: int, n: int, k: int, swiglu: bool = False) -> SkinnyConfig:
+    """The H200 sweep's rule (bench/results/2026-12-02-h200-perf7, 8 and 32 rows): K in 128-wide steps,
+    32-column tiles (16 up to N = 1024), and K split in two while that keeps at most 256 programs and
+    256 K columns a split. Its picks were the fastest there: [512, 2048] 16 x 8 splits (4.64 us, cuBLAS
+    5.40), [2048, 5632] 32 x 4 (10.50, cuBLAS 12.01), [2048, 10240] 32 x 4 (15.88, cuBLAS 17.21),
+    gate|up [2 x 5632, 2048] 32 x 1 (15.83, cuBLAS + the activation kernel 17.04)."""
+    block_n = 16 if n <= 1024 else 32
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(max(rows, 1), 64)
+    split = 1
+    while split < 8 and tiles * split * 2 <= 256 and k // (split * 2) >= 256:
+        split *= 2
+    return SkinnyConfig(block_n=block_n, block_k=128, split_k=split)
+
+
+@triton.jit
+def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, stride_xm, stride_om,
+                          N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
+                          M_PAD: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_m = rows < M
+    in_n = cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * K  # W^T's columns: [1, BLOCK_N] row starts of W
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # the up half (swiglu only)
+    k_lo = pid_k * K_PER_SPLIT
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        ks = k_lo + k0 + tl.arange(0, BLOCK_K)
+        in_k = ks < K
+        a = tl.load(x_rows + ks[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w_mask = in_k[:, None] & in_n[None, :]
+        w = tl.load(w_cols + ks[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N] of W^T, contiguous along K
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if SWIGLU:
+            w_up = tl.load(w_cols + N * K + ks[:, None], mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+    out_mask = in_m[:, None] & in_n[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    if SPLIT_K == 1:
+        if SWIGLU:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # workspace [SPLIT_K, 2, M_PAD, N] fp32: this program's partial (and its up half) at split pid_k
+        part = part_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        split_stride = 2 * M_PAD * N
+        tl.store(part + pid_k * split_stride, acc, mask=out_mask)
+        if SWIGLU:
+            tl.store(part + pid_k * split_stride + M_PAD * N, acc_up, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the ticket is taken
+        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:  # the last to arrive: the other partials are visible (acquire)
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # split order, whoever arrived first
+                total += tl.load(part + s * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if SWIGLU:
+                    total_up += tl.load(part + s * split_stride + M_PAD * N, mask=out_mask, other=0.0,
+                                        cache_modifier=".cg")
+            if SWIGLU:
+                total = total * tl.sigmoid(total) * total_up
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter, 0)  # zero again for the next call (no other program touches it now)
+
+
+def _check(x: Tensor, weight: Tensor, swiglu: bool) -> tuple[int, int, int]:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {list(x.shape)}, weight {list(weight.shape)}: expected [M, K] and [N, K]")
+    if x.dtype != weight.dtype or not x.dtype.is_floating_point:
+        raise ValueError(f"x {x.dtype}, weight {weight.dtype}: expected one float dtype")
+    if swiglu and weight.shape[0] % 2:
+        raise ValueError(f"weight {list(weight.shape)}: swiglu needs [2I, K] (gate rows, then up rows)")
+    rows, k = x.shape
+    return rows, weight.shape[0] // 2 if swiglu else weight.shape[0], k
+
+
+def skinny_linear_torch(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
+    """``x @ weight.T`` (``[M, K] x [N, K] -> [M, N]``), then with ``swiglu`` ``silu(g) * u`` of its
+    gate and up halves in fp32, rounded once (``mlp.swiglu_act_torch``). In x's dtype."""
+    _check(x, weight, swiglu)
+    y = x @ weight.T
+    if not swiglu:
+        return y
+    gate, up = y.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def _counters(device: torch.device, tiles: int) -> Tensor:
+    if tiles > MAX_TILES:
+        raise ValueError(f"{tiles} output tiles > MAX_TILES={MAX_TILES}: use a larger block_n or fewer rows")
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        counters = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return counters
+
+
+def skinny_linear_triton(x: Tensor, weight: Tensor, swiglu: bool = False, config: SkinnyConfig | None = None,
+                         out: Tensor | None = None) -> Tensor:
+    """``skinny_linear_torch``'s contract by one kernel: x ``[M, K]`` (unit column stride), weight
+    contiguous ``[N, K]`` (``[2N, K]`` with swiglu). Returns ``[M, N]`` in x's dtype (or writes ``out``,
+    any row stride). ``config`` defaults to :func:`default_config`."""
+    rows, n, k = _check(x, weight, swiglu)
+    if x.stride(1) != 1 and k > 1:
+        raise ValueError(f"x strides {x.stride()}: expected a unit column stride")
+    if not weight.is_contiguous():
+        raise ValueError(f"weight strides {weight.stride()}: expected contiguous [N, K]")
+    if out is None:
+        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (rows, n) or out.dtype != x.dtype or (n > 1 and out.stride(1) != 1):
+        raise ValueError(f"out {list(out.shape)} {out.dtype} strides {out.stride()}: expected [{rows}, {n}] "
+                         f"{x.dtype} with a unit column stride")
+    if rows == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = default_config(rows, n, k, swiglu) if config is None else config
+    block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    m_tiles, n_tiles = triton.cdiv(rows, block_m), triton.cdiv(n, cfg.block_n)
+    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)  # no empty split (it would never draw the last ticket's partial)
+    if split > 1:
+        part = torch.empty((split, 2, m_tiles * block_m, n), dtype=torch.float32, device=x.device)
+        counters = _counters(x.device, m_tiles * n_tiles)
+    else:
+        part, counters = out, out  # unused
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays fp32; tf32 is unused for bf16/fp16
+    _skinny_linear_kernel[(n_tiles, split, m_tiles)](
+        x, weight, out, part, counters, rows, x.stride(0), out.stride(0), N=n, K=k, K_PER_SPLIT=k_per_split,
+        SPLIT_K=split, M_PAD=m_tiles * block_m, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def skinny_linear(x: Tensor, weight: Tensor, swiglu: bool = False, max_rows: int = MAX_ROWS) -> Tensor:
+    """The engine's entry point: the kernel for CUDA tensors of at most ``max_rows`` rows (the call site's
+    measured crossover with cuBLAS), the torch form otherwise."""
+    if use_triton(x, weight) and x.shape[0] <= max_rows and weight.is_contiguous() and x.stride(-1) == 1:
+        return skinny_linear_triton(x, weight, swiglu)
+    return skinny_linear_torch(x, weight, swiglu)
