@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels import skinny_linear as sl
+from dflash2.fast.kernels import tickets
 from dflash2.fast.kernels.skinny_linear import (SkinnyConfig, skinny_linear, skinny_linear_torch,
                                                 skinny_linear_triton)
 from dflash2.reference.model.mlp import swiglu
@@ -178,7 +178,7 @@ def test_planted_bug_a_stale_counter_is_caught(impl_device, report):
     config = SkinnyConfig(block_n=16, block_k=32, split_k=3)
     want = exact(x, w, False)
     report.numeric("split/clean", skinny_linear_triton(x, w, config=config), want, NUMERIC_BOUND[torch.float32])
-    counters = sl._COUNTERS[torch.device(device) if device == "cpu" else x.device]
+    counters = tickets._COUNTERS[x.device]
     try:
         counters[0] = 1  # one ticket already drawn: the second program to arrive takes the last one
         got = skinny_linear_triton(-1.5 * x, w, config=config)  # other values: a stale workspace cannot pass

@@ -20,10 +20,9 @@ a workspace, then takes a ticket from its output tile's counter (``atomic_add``,
 GPU scope, after a CTA barrier so the whole partial is ordered before it). The program drawing the
 last ticket sums the SPLIT_K partials in split order (0, 1, ...), whichever programs ran first, so the
 bits are the same on every call and in a CUDA-graph replay; it then writes y and resets the counter
-to 0 for the next call. The counters are one zeroed int32 buffer per device, made on the first call
-(the engine's eager warm-up, before any capture) and left zeroed by every call. A different SPLIT_K
-or BLOCK_K sums in a different order: rounding differences within NUMERIC of the reference, never
-between two calls with one config.
+to 0 for the next call (``fast/kernels/tickets.py``: one zeroed buffer per device, shared with the
+MoE). A different SPLIT_K or BLOCK_K sums in a different order: rounding differences within NUMERIC
+of the reference, never between two calls with one config.
 
 Bound: memory (W's bytes once; x is re-read from L2 by each program: ``M K`` elements per column
 tile), and at these sizes the latency of a launch: on the H200 (perf7 sweep, back-to-back calls in a
@@ -41,11 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .tickets import ticket_counters
 from .triton_compat import tl, triton, use_triton
 
 MAX_ROWS = 64  # above this the draft's batch is a real GEMM and cuBLAS wins (the engine's dispatch)
-MAX_TILES = 16384  # counters per device: (M tiles) x (N tiles) of one split-K call
-_COUNTERS: dict[torch.device, Tensor] = {}
 
 
 @dataclass(frozen=True)
@@ -152,15 +150,6 @@ def skinny_linear_torch(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tens
     return (F.silu(gate) * up).to(x.dtype)
 
 
-def _counters(device: torch.device, tiles: int) -> Tensor:
-    if tiles > MAX_TILES:
-        raise ValueError(f"{tiles} output tiles > MAX_TILES={MAX_TILES}: use a larger block_n or fewer rows")
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        counters = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return counters
-
-
 def skinny_linear_triton(x: Tensor, weight: Tensor, swiglu: bool = False, config: SkinnyConfig | None = None,
                          out: Tensor | None = None) -> Tensor:
     """``skinny_linear_torch``'s contract by one kernel: x ``[M, K]`` (unit column stride), weight
@@ -188,7 +177,7 @@ def skinny_linear_triton(x: Tensor, weight: Tensor, swiglu: bool = False, config
     split = triton.cdiv(k, k_per_split)  # no empty split (it would never draw the last ticket's partial)
     if split > 1:
         part = torch.empty((split, 2, m_tiles * block_m, n), dtype=torch.float32, device=x.device)
-        counters = _counters(x.device, m_tiles * n_tiles)
+        counters = ticket_counters(x.device, m_tiles * n_tiles)
     else:
         part, counters = out, out  # unused
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays fp32; tf32 is unused for bf16/fp16
