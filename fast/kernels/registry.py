@@ -45,6 +45,10 @@ KERNELS: tuple[KernelTwin, ...] = (
                ("dflash2.fast.kernels.dynamic_conv:grouped_dynamic_conv_torch",
                 "dflash2.fast.kernels.dynamic_conv:grouped_dynamic_conv_triton"),
                "dflash2.reference.model.conv:grouped_dynamic_conv", "conformance/ops/test_dynamic_conv.py"),
+    KernelTwin("conv_finish_norm",  # the conv finish + residual add + the next Qwen3 norm; the test composes both
+               ("dflash2.fast.kernels.conv_finish_norm:conv_finish_norm_torch",
+                "dflash2.fast.kernels.conv_finish_norm:conv_finish_norm_triton"),
+               "dflash2.reference.model.conv:grouped_dynamic_conv", "conformance/ops/test_conv_finish_norm.py"),
     KernelTwin("draft_qk_norm_rope",  # the draft's per-head Qwen3 norms + full RoPE; the test composes the reference's
                ("dflash2.fast.model.rope:draft_qk_norm_rope_torch",
                 "dflash2.fast.kernels.attention_prologue:draft_qk_norm_rope_triton"),

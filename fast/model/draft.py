@@ -27,9 +27,10 @@ over all N rows does not: BLAS picks kernels (gemv, split-K) by N, seen on the C
 an H200 (cuBLAS, where a strided-batched bmm over the tiles also varied with the tile count).
 
 Block-side kernels (each a Triton kernel on CUDA and its torch twin elsewhere, dispatched by
-``use_triton``): the 2-D RMSNorms are ``norm.add_rms_norm`` (one fused kernel, the stored weight as
-its scale); a conv side is ``fast/kernels/dynamic_conv.grouped_dynamic_conv``, the finish with the
-residual add ``x + finish(...)`` fused in; q/k norms and RoPE are one ``rope.draft_qk_norm_rope``
+``use_triton``): a conv prepare is ``fast/kernels/dynamic_conv.grouped_dynamic_conv``; each conv
+finish, its residual add ``x + finish(...)`` and the RMSNorm after it (the post-attention norm, the
+next layer's input norm, the final norm) are one ``fast/kernels/conv_finish_norm.conv_finish_norm``
+(the stored weight as the norm's scale), and the first layer's input norm ``norm.add_rms_norm``; q/k norms and RoPE are one ``rope.draft_qk_norm_rope``
 with cos/sin computed once per ``forward_blocks`` (every layer, q and k, share the positions); the
 window attention is ``fast/kernels/ring_attention.ring_attention`` (split-window on CUDA), reading
 each layer's ring ``RingPool.k[layer]``, ``RingPool.v[layer]`` in place. The GEMMs are 2-D ones over
@@ -60,6 +61,7 @@ from torch import Tensor
 from dflash2.reference.formats.draft_config import DraftConfig
 
 from ..kernels.context_kv import context_k_norm_rope, rope_inv_freq
+from ..kernels.conv_finish_norm import conv_finish_norm
 from ..kernels.dynamic_conv import grouped_dynamic_conv
 from ..kernels.ring_attention import ring_attention
 from ..kernels.skinny_linear import skinny_linear
@@ -197,10 +199,12 @@ class FastDraft:
         delta = skinny_linear(u.reshape(b * s, c), proj).view(b, s, 2, taps, proj.shape[0] // (2 * taps))
         return grouped_dynamic_conv(u, base[0], delta[:, :, 0], self.cfg.conv_group_size), delta
 
-    def _conv_finish(self, o: Tensor, name: str, delta: Tensor, residual: Tensor) -> Tensor:
-        """``residual +`` side 1 of conv ``name`` on the sublayer output ``o``, with prepare's delta (one kernel)."""
-        return grouped_dynamic_conv(o, self.w[f"{name}.base_kernel"][1], delta[:, :, 1], self.cfg.conv_group_size,
-                                    residual)
+    def _conv_finish_norm(self, o: Tensor, name: str, delta: Tensor, residual: Tensor,
+                          norm: str) -> tuple[Tensor, Tensor]:
+        """``x = residual +`` side 1 of conv ``name`` on the sublayer output ``o`` (prepare's delta), and
+        RMSNorm ``norm`` of that x: ``(x, u)``, each ``[B, S, C]``; one kernel on CUDA."""
+        return conv_finish_norm(o, self.w[f"{name}.base_kernel"][1], delta[:, :, 1], self.cfg.conv_group_size,
+                                residual, self.norms[norm], self.cfg.rms_norm_eps, self.dtype)
 
     def _attention(self, layer: int, u: Tensor, cos: Tensor, sin: Tensor, ring_pool: RingPool, ring_slots: Tensor,
                    anchor_positions: Tensor) -> Tensor:
@@ -219,18 +223,22 @@ class FastDraft:
                            anchor_positions, cfg.sliding_window)  # [B*S, H, D]
         return (a.reshape(b * s, h * d) @ w[f"{p}o_proj.weight"].T).view(b, s, c)
 
-    def _layer(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, ring_pool: RingPool, ring_slots: Tensor,
-               anchor_positions: Tensor) -> Tensor:
-        """One draft layer on the blocks' residual stream ``x [B, S, C]``."""
+    def _layer(self, layer: int, x: Tensor, u: Tensor, next_norm: str, cos: Tensor, sin: Tensor,
+               ring_pool: RingPool, ring_slots: Tensor, anchor_positions: Tensor) -> tuple[Tensor, Tensor]:
+        """One draft layer on the blocks' residual stream ``x [B, S, C]``, given ``u`` = its input norm of x.
+
+        Returns the new x and RMSNorm ``next_norm`` of it (the next layer's input norm, or the final norm):
+        each sublayer's conv finish, residual add and the norm after it are one kernel.
+        """
         w, p = self.w, f"layers.{layer}."
-        u, delta = self._conv_prepare(self._block_norm(x, f"{p}input_layernorm.weight"), f"{p}attention_conv")
+        u, delta = self._conv_prepare(u, f"{p}attention_conv")
         o = self._attention(layer, u, cos, sin, ring_pool, ring_slots, anchor_positions)
-        x = self._conv_finish(o, f"{p}attention_conv", delta, x)
-        u, delta = self._conv_prepare(self._block_norm(x, f"{p}post_attention_layernorm.weight"), f"{p}mlp_conv")
+        x, u = self._conv_finish_norm(o, f"{p}attention_conv", delta, x, f"{p}post_attention_layernorm.weight")
+        u, delta = self._conv_prepare(u, f"{p}mlp_conv")
         rows = u.reshape(-1, u.shape[-1])  # [B*S, C]
         act = skinny_linear(rows, self.gate_up[layer], swiglu=True, max_rows=16)  # [B*S, I]
         m = skinny_linear(act, w[f"{p}mlp.down_proj.weight"], max_rows=32)
-        return self._conv_finish(m.view(x.shape), f"{p}mlp_conv", delta, x)
+        return self._conv_finish_norm(m.view(x.shape), f"{p}mlp_conv", delta, x, next_norm)
 
     def forward_blocks(self, anchor_tokens: Tensor, anchor_positions: Tensor, ring_pool: RingPool,
                        ring_slots: Tensor, layer_outputs: list[Tensor] | None = None) -> DraftBlocks:
@@ -252,13 +260,16 @@ class FastDraft:
         x = self.embed[tokens]  # [B, S, C] (input_embedding_scale = 1)
         cos, sin = rope_cos_sin(positions.reshape(-1), cfg.head_dim, cfg.rope_theta)  # once: every layer, q and k
         cuts = layer_cuts(cfg.num_hidden_layers, groups=1)  # a captured step's first graphs short
+        u = self._block_norm(x, "layers.0.input_layernorm.weight")  # later norms come with the finish before them
         for layer in range(cfg.num_hidden_layers):
             if layer in cuts:
                 graph_cut()
-            x = self._layer(layer, x, cos, sin, ring_pool, ring_slots, anchor_positions)
+            last = layer + 1 == cfg.num_hidden_layers
+            next_norm = "norm.weight" if last else f"layers.{layer + 1}.input_layernorm.weight"
+            x, u = self._layer(layer, x, u, next_norm, cos, sin, ring_pool, ring_slots, anchor_positions)
             if layer_outputs is not None:
                 layer_outputs.append(x)
-        hidden = self._block_norm(x, "norm.weight")  # [B, S, C]
+        hidden = u  # [B, S, C]: RMSNorm_norm of the last layer's x
         rows = hidden[:, 1:].reshape(-1, cfg.hidden_size)  # one 2-D GEMM (the 3-D slice ran as a slow bmm)
         # in the draft dtype: no fp32 copy of the B*(S-1) x V rows (the selector converts its candidates only)
         logits = (rows @ self.lm_head.T).view(hidden.shape[0], cfg.block_size - 1, self.lm_head.shape[0])
