@@ -43,19 +43,17 @@ SWEEP = {  # beside each N's default (fast/kernels/moe.default_blocks); one comp
         MoEBlocks(block_i=16, block_c=64, num_stages=4, **SPLIT), MoEBlocks(block_i=32, block_c=128, **SPLIT),
         MoEBlocks(block_i=16, block_c=32, block_d=256, **SPLIT)],
     4: [MoEBlocks(block_i=64), MoEBlocks(block_i=32, block_c=128, **SPLIT), MoEBlocks(block_i=16, block_c=64, **SPLIT)],
-    8: [MoEBlocks(block_i=32, block_c=64, **SPLIT),  # perf6's default: the ticket sum's A/B
-        MoEBlocks(block_i=32, block_c=128, ticket_sum=True, **SPLIT),
-        MoEBlocks(block_i=32, block_c=32, ticket_sum=True, **SPLIT),
-        MoEBlocks(block_i=64, num_stages=4), MoEBlocks(block_i=32, block_c=128, **SPLIT),
+    8: [MoEBlocks(block_i=64, num_stages=4), MoEBlocks(block_i=32, block_c=128, **SPLIT),
         MoEBlocks(block_i=32, block_c=128, num_stages=4, **SPLIT), MoEBlocks(block_i=16, block_c=64, **SPLIT),
-        MoEBlocks(block_i=64, block_c=128, **SPLIT), MoEBlocks(block_i=32, block_c=256, **SPLIT), MoEBlocks(block_i=32, block_c=64, num_stages=4, **SPLIT),
+        MoEBlocks(block_i=64, block_c=128, **SPLIT), MoEBlocks(block_i=32, block_c=64, **SPLIT),
+        MoEBlocks(block_i=32, block_c=256, **SPLIT), MoEBlocks(block_i=32, block_c=64, num_stages=4, **SPLIT),
         MoEBlocks(block_i=32, block_c=64, block_k=256, **SPLIT), MoEBlocks(block_i=32, block_c=64, num_warps=8, **SPLIT),
         MoEBlocks(block_i=32, block_c=64, block_d=256, **SPLIT), MoEBlocks(block_i=32, block_c=64, block_d=64, **SPLIT),
         MoEBlocks(block_i=32, block_c=32, **SPLIT), MoEBlocks(block_i=16, block_c=64, block_k=256, **SPLIT),
         MoEBlocks(block_i=32, block_c=64, num_stages=2, **SPLIT), MoEBlocks(block_i=64, block_c=64, **SPLIT),
         MoEBlocks(block_i=32, block_c=64, block_k=256, num_warps=8, **SPLIT)],
-    16: [MoEBlocks(block_i=64, block_c=128, **SPLIT),  # perf6's default: the ticket sum's A/B
-         MoEBlocks(block_i=64), MoEBlocks(block_i=32, block_c=128, **SPLIT)],
+    16: [MoEBlocks(block_i=64), MoEBlocks(block_i=32, block_c=128, **SPLIT),
+         MoEBlocks(block_i=64, block_c=128, **SPLIT)],
     128: [MoEBlocks(block_i=64), MoEBlocks(block_i=64, block_c=128, **SPLIT),
           MoEBlocks(block_i=128, block_c=128, **SPLIT)],
 }
@@ -127,12 +125,11 @@ def bench_rows(rows: int, layers, gen: torch.Generator, bandwidth: float) -> dic
             "model_dispatch_eager": "triton" if rows * TOP_K <= MAX_TRITON_PAIRS else "torch"}
 
 
-def sweep(layers, gen: torch.Generator, only_rows: set[int] | None = None, first: int | None = None) -> list[dict]:
+def sweep(layers, gen: torch.Generator, only_rows: set[int] | None = None) -> list[dict]:
     results = []
     for rows, configs in SWEEP.items():
         if only_rows is not None and rows not in only_rows:
             continue
-        configs = configs[:first] if first is not None else configs
         inputs = [make_inputs(rows, gen) for _ in layers]
         args = [(x, ids, w, gu, dn) for (x, ids, w), (gu, dn) in zip(inputs, layers)]
         distinct = sum(int(torch.unique(ids).numel()) for _, ids, _ in inputs) / len(layers)
@@ -169,8 +166,6 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the block-size sweep and the profile")
     parser.add_argument("--sweep-only", default=None,
                         help="comma-separated row counts: only the sweep at those (no table, no profile)")
-    parser.add_argument("--sweep-first", type=int, default=None,
-                        help="sweep only each row count's default and its first N configs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe.py needs CUDA")
@@ -186,7 +181,7 @@ def main() -> None:
         results["rows"].append(bench_rows(rows, layers, gen, bandwidth))
         print(f"N={rows} done at {time.perf_counter() - start:.1f} s", flush=True)
     if only is not None:
-        results["sweep"] = sweep(layers, gen, only, args.sweep_first)
+        results["sweep"] = sweep(layers, gen, only)
     elif not args.no_sweep:
         results["sweep"] = sweep(layers, gen)
         try:

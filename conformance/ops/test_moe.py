@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels import tickets
 from dflash2.fast.kernels.moe import MoEBlocks, default_blocks, moe_experts_triton
 from dflash2.fast.model.moe import moe_experts, moe_experts_torch
 from dflash2.reference.model.moe import routed_experts
@@ -25,7 +24,6 @@ HIDDEN, WIDTH, EXPERTS, TOP_K = 48, 40, 7, 3
 SMALL = MoEBlocks(block_m=16, block_i=16, block_k=32, block_c=32, pair_tile=16, sum_block_c=32)
 SMALL_SPLIT = MoEBlocks(block_m=16, block_i=16, block_k=32, block_c=32, pair_tile=16, sum_block_c=32, split=True,
                         block_d=16)  # the split form: I = 40 in three steps of 16, C = 48 in two tiles of 32
-SMALL_TICKET = replace(SMALL_SPLIT, ticket_sum=True)  # the split form adding the k choices in its down kernel
 POPULARITY = torch.tensor([0.0, 4.0, 2.0, 1.0, 0.5, 0.0, 0.0])  # the choices besides expert 0; 5 and 6 unused
 
 
@@ -80,11 +78,10 @@ def test_moe_matches_reference(impl_device, report, rows):
     assert int((case.expert_ids == 0).sum()) == rows and not torch.isin(case.expert_ids, torch.tensor([5, 6])).any()
     for dtype in dtypes(device):
         args = case.inputs(device, dtype)
-        for blocks in [SMALL, SMALL_SPLIT, SMALL_TICKET, None] if impl == "triton" else [None]:
+        for blocks in [SMALL, SMALL_SPLIT, None] if impl == "triton" else [None]:
             got = run(impl, args, blocks)
             assert got.dtype == torch.float32 and got.shape == (rows, HIDDEN)
-            what = f"y/{str(dtype)[6:]}" + {id(SMALL): "/small", id(SMALL_SPLIT): "/split",
-                                             id(SMALL_TICKET): "/ticket"}.get(id(blocks), "")
+            what = f"y/{str(dtype)[6:]}" + {id(SMALL): "/small", id(SMALL_SPLIT): "/split"}.get(id(blocks), "")
             report.numeric(what, got, case.expected, NUMERIC_BOUND[dtype])
             if impl == "triton" or device == "cpu":  # the torch form's index_add_ on CUDA adds in any order
                 assert torch.equal(run(impl, args, blocks), got), "two runs differ"
@@ -104,40 +101,8 @@ def test_moe_repeated_expert_within_a_row(impl_device, report):
             expected[n] += case.weights[n, j].double() * (down[expert_ids[n, j]] @ (F.silu(gate) * up))
     args = (case.x.to(device), expert_ids.to(device), case.weights.to(device), case.gate_up.to(device),
             case.down.to(device))
-    for blocks in [SMALL, SMALL_SPLIT, SMALL_TICKET] if impl == "triton" else [None]:
+    for blocks in [SMALL, SMALL_SPLIT] if impl == "triton" else [None]:
         report.numeric("y/float32", run(impl, args, blocks), expected, NUMERIC_BOUND[torch.float32])
-
-
-def test_moe_ticket_sum_adds_as_the_sum_kernel(impl_device, report):
-    """The ticket sum adds the k partials in the sum kernel's order and arithmetic: in the interpreter
-    bit for bit; on CUDA within NUMERIC (each kernel's compiler may contract the multiply-adds its own way).
-    Two calls in a row give the same bits (every counter is zero again after a call)."""
-    impl, device = impl_device
-    if impl != "triton":
-        pytest.skip("the ticket sum is the Triton launcher's")
-    args = make_case(17, seed=21).inputs(device, torch.float32)
-    split, ticket = run(impl, args, SMALL_SPLIT), run(impl, args, SMALL_TICKET)
-    if device == "cpu":
-        assert torch.equal(ticket, split)
-    report.numeric("ticket/split", ticket, split, NUMERIC_BOUND[torch.float32])
-    assert torch.equal(run(impl, args, SMALL_TICKET), ticket), "a second call differs (a counter left nonzero?)"
-
-
-def test_moe_planted_bug_a_stale_ticket_counter_is_caught(impl_device, report):
-    """A counter left nonzero makes a row's sum run before its last partial is stored. In the interpreter
-    (programs one after another); on a GPU which program sums early is a race."""
-    impl, device = impl_device
-    if impl != "triton" or device != "cpu":
-        pytest.skip("needs the interpreter's program order")
-    case = make_case(5, seed=23)
-    args = case.inputs(device, torch.float32)
-    counters = tickets.ticket_counters(torch.device(device), 1)
-    try:
-        counters[:8] = 1  # one ticket already drawn for the first rows' C tiles
-        with pytest.raises(AssertionError):
-            report.numeric("ticket/planted", run(impl, args, SMALL_TICKET), case.expected, NUMERIC_BOUND[torch.float32])
-    finally:
-        counters.zero_()
 
 
 def test_moe_default_op_dispatch_on_cpu():
@@ -146,7 +111,7 @@ def test_moe_default_op_dispatch_on_cpu():
     assert torch.equal(moe_experts(*args), moe_experts_torch(*args))
 
 
-@pytest.mark.parametrize("split", [False, True, "ticket"], ids=["fused", "split", "ticket"])
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
 @pytest.mark.parametrize("planted", ["gate_up_swapped", "routed_off_by_one"])
 def test_moe_planted_bugs_are_caught(impl_device, planted, split):
     impl, device = impl_device
@@ -159,7 +124,7 @@ def test_moe_planted_bugs_are_caught(impl_device, planted, split):
     else:
         expert_ids = expert_ids.clone()
         expert_ids[2] = (expert_ids[2] + 1) % EXPERTS  # still distinct within the row
-    blocks = {False: SMALL, True: SMALL_SPLIT, "ticket": SMALL_TICKET}[split] if impl == "triton" else None
+    blocks = (SMALL_SPLIT if split else SMALL) if impl == "triton" else None
     got = run(impl, (x, expert_ids, weights, gate_up, down), blocks).double().cpu()
     rms_rel = float((got - case.expected).pow(2).mean().sqrt() / case.expected.pow(2).mean().sqrt())
     assert rms_rel > 100 * NUMERIC_BOUND[torch.float32], f"the planted bug ({planted}) passes NUMERIC: {rms_rel:.1e}"
@@ -223,7 +188,7 @@ def test_moe_cuda_graph_replay_is_exact_and_the_default_op_dispatches_to_it():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the released shapes run in the GPU lane")
-@pytest.mark.parametrize("split", [False, True, "ticket"], ids=["fused", "split", "ticket"])
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
 @pytest.mark.parametrize("rows", [1, 8, 16, 128])
 def test_moe_at_released_shapes(report, rows, split):
     """Qwen3.5-35B-A3B's experts (C = 2048, I = 512, E = 256, k = 8) in bf16, routed by a softmax over
@@ -238,7 +203,7 @@ def test_moe_at_released_shapes(report, rows, split):
     gate_up = (torch.randn(experts, 2 * width, hidden, device="cuda", generator=gen) * hidden ** -0.5).bfloat16()
     down = (torch.randn(experts, hidden, width, device="cuda", generator=gen) * width ** -0.5).bfloat16()
     got = _graph_replay_equals_eager((x, expert_ids, weights, gate_up, down),
-                                     replace(default_blocks(rows), split=bool(split), ticket_sum=split == "ticket"))
+                                     replace(default_blocks(rows), split=split))
     expected = moe_experts_torch(x.float(), expert_ids, weights, gate_up.float(), down.float())
     report.numeric("y/bfloat16", got, expected, NUMERIC_BOUND[torch.bfloat16])
 

@@ -27,13 +27,6 @@ form's programs stream 128-256 KiB each and its partials are T times smaller. It
 (one fp32 accumulation over I instead of T partial sums), within NUMERIC of the reference. On the H200
 it is the faster form from 8 to 16 rows (:func:`default_blocks`; bench/kernels/bench_moe.py sweeps both).
 
-Ticket sum (``MoEBlocks.ticket_sum``, split form): no third kernel. After a down program stores its
-chunk's partials for its C tile, it takes one ticket per pair from the counter of (the pair's row, C
-tile) (``fast/kernels/tickets.py``); a pair drawing ticket k - 1 completed its row there, and its
-program adds that row's k partials in choice order, ``y_n = sum_j weights[n, j] partials[n k + j]``
-(the sum kernel's order and arithmetic, T = 1), writes ``out`` and zeroes the counter. One launch and
-one round trip of the partials fewer per layer; still no float atomics, so still bitwise reproducible.
-
 No host sync and no data-dependent shape: the grids and buffers depend on (N, k, E, C, I) only.
 What bounds it: the weight bytes of the distinct experts chosen (memory); the partials add
 ``2 P T C x 4`` bytes and the id scans ``P x T x P`` loads from L2, which is why the model's
@@ -51,7 +44,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .tickets import ticket_counters
 from .triton_compat import tl, triton
 
 MAX_TRITON_PAIRS = 2048  # (row, choice) pairs; above, the id scans grow as P^2 (bench_moe.py's N = 256 is the limit)
@@ -73,12 +65,6 @@ class MoEBlocks:
     # C tile one down program owns (it reduces all of I in block_d steps) and the partials have one tile
     split: bool = False
     block_d: int = 128  # I step of the split form's down kernel
-    # split form only: the down kernel adds the k choices itself (module docstring, "Ticket sum"), no sum kernel
-    ticket_sum: bool = False
-
-    def __post_init__(self):
-        if self.ticket_sum and not self.split:
-            raise ValueError("MoEBlocks(ticket_sum=True) needs split=True: the fused form's sum kernel adds T tiles")
 
 
 def default_blocks(rows: int) -> MoEBlocks:
@@ -90,8 +76,10 @@ def default_blocks(rows: int) -> MoEBlocks:
     From 8 to 16 rows (a verify of k = 7 is 8 rows a request) the split form: 94.5 vs 99.5 us at 8 rows
     (I tiles of 32, down programs of 64 columns) and 162.6 vs 179.0 at 16 (bench/results/
     2026-12-01-h200-perf5/call1-moe_sweep.log; the row counts not swept keep the fused form); 64-pair
-    chunks past 128 rows. The split form adds the k choices in its down kernel (``ticket_sum``: one
-    launch fewer a layer; bench/results/2026-12-02-h200-perf7)."""
+    chunks past 128 rows. Tried and dropped at 8 and 16 rows (perf7 call 2, bench/results/
+    2026-12-02-h200-perf7): the down kernel adding a row's k choices itself, the program completing
+    them found by a ticket per (row, C tile), in place of the sum kernel: 100.5 vs 95.6 us a layer at 8
+    rows, 167.3 vs 160.8 at 16 (the atomics and the sums land in the kernel's tail)."""
     if rows == 1:
         return MoEBlocks(block_c=256, num_stages=4)
     if rows <= 4:
@@ -99,9 +87,9 @@ def default_blocks(rows: int) -> MoEBlocks:
     if rows < 8:
         return MoEBlocks(block_i=64, num_stages=4)
     if rows == 8:
-        return MoEBlocks(block_i=32, block_c=64, split=True, block_d=128, ticket_sum=True)
+        return MoEBlocks(block_i=32, block_c=64, split=True, block_d=128)
     if rows <= 16:
-        return MoEBlocks(block_i=64, block_c=128, split=True, block_d=128, ticket_sum=True)
+        return MoEBlocks(block_i=64, block_c=128, split=True, block_d=128)
     if rows <= 128:
         return MoEBlocks(block_i=64)
     return MoEBlocks(block_m=64, block_i=64)
@@ -220,13 +208,11 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, gate_up_ptr, h_ptr, num_pairs, C: tl.con
 
 
 @triton.jit
-def _moe_down_kernel(ids_ptr, h_ptr, down_ptr, partials_ptr, weights_ptr, out_ptr, count_ptr, num_pairs,
-                     C: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, P_PAD: tl.constexpr,
-                     PAIR_TILE: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-                     BLOCK_D: tl.constexpr, TICKET_SUM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _moe_down_kernel(ids_ptr, h_ptr, down_ptr, partials_ptr, num_pairs, C: tl.constexpr, I: tl.constexpr,
+                     P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Split form, kernel 2: ``partials[p] [C]`` fp32 = W_down[e_p] h_p for the C tile of each active expert,
-    reducing all of I (one partial per pair: the sum kernel then adds the k choices only). With TICKET_SUM
-    the program completing a row's k partials of its C tile adds them itself (module docstring)."""
+    reducing all of I (one partial per pair: the sum kernel then adds the k choices only)."""
     p = tl.program_id(0)
     tile = tl.program_id(1)
     e, count, leader = _scan_expert(ids_ptr, p, num_pairs, P_PAD, PAIR_TILE)
@@ -248,23 +234,6 @@ def _moe_down_kernel(ids_ptr, h_ptr, down_ptr, partials_ptr, weights_ptr, out_pt
                     acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
                 tl.store(partials_ptr + pairs.to(tl.int64)[:, None] * C + c_offs[None, :], acc,
                          mask=valid[:, None] & in_c[None, :])
-                if TICKET_SUM:
-                    rows = (pairs // TOP_K).to(tl.int64)  # [BLOCK_M]
-                    counters = count_ptr + rows * tl.num_programs(1) + tile
-                    tl.debug_barrier()  # the chunk's partials are all stored before its tickets are taken
-                    ticket = tl.atomic_add(counters, 1, mask=valid, sem="acq_rel", scope="gpu")
-                    done = valid & (ticket == TOP_K - 1)  # this pair completed its row's k partials
-                    if tl.sum(done.to(tl.int32), axis=0) > 0:
-                        tl.debug_barrier()  # every thread past the acquire before any reads the others' partials
-                        total = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-                        sum_mask = done[:, None] & in_c[None, :]
-                        for j in tl.static_range(TOP_K):  # choice order, as the sum kernel adds them
-                            part = tl.load(partials_ptr + (rows * TOP_K + j)[:, None] * C + c_offs[None, :],
-                                           mask=sum_mask, other=0.0, cache_modifier=".cg")
-                            total += tl.load(weights_ptr + rows * TOP_K + j, mask=done, other=0.0)[:, None] * part
-                        tl.store(out_ptr + rows[:, None] * C + c_offs[None, :], total.to(out_ptr.dtype.element_ty),
-                                 mask=sum_mask)
-                        tl.atomic_xchg(counters, 0, mask=done)  # zero again for the next call
 
 
 @triton.jit
@@ -348,13 +317,9 @@ def moe_experts_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: 
         _moe_gate_up_kernel[(num_pairs, triton.cdiv(width, blocks.block_i))](
             x, ids, gate_up, h, num_pairs, C=hidden, I=width, TOP_K=top_k, BLOCK_I=blocks.block_i,
             BLOCK_K=blocks.block_k, **scan)
-        c_tiles = triton.cdiv(hidden, blocks.block_c)
-        counters = ticket_counters(x.device, rows * c_tiles) if blocks.ticket_sum else ids  # unused without
-        _moe_down_kernel[(num_pairs, c_tiles)](
-            ids, h, down, partials, weights, out, counters, num_pairs, C=hidden, I=width, TOP_K=top_k,
-            BLOCK_C=blocks.block_c, BLOCK_D=blocks.block_d, TICKET_SUM=blocks.ticket_sum, **scan)
-        if blocks.ticket_sum:
-            return out
+        _moe_down_kernel[(num_pairs, triton.cdiv(hidden, blocks.block_c))](
+            ids, h, down, partials, num_pairs, C=hidden, I=width, BLOCK_C=blocks.block_c, BLOCK_D=blocks.block_d,
+            **scan)
     else:
         _moe_expert_tile_kernel[(num_pairs, num_tiles)](
             x, ids, gate_up, down, partials, num_pairs, C=hidden, I=width, TOP_K=top_k, NUM_TILES=num_tiles,

@@ -20,9 +20,9 @@ a workspace, then takes a ticket from its output tile's counter (``atomic_add``,
 GPU scope, after a CTA barrier so the whole partial is ordered before it). The program drawing the
 last ticket sums the SPLIT_K partials in split order (0, 1, ...), whichever programs ran first, so the
 bits are the same on every call and in a CUDA-graph replay; it then writes y and resets the counter
-to 0 for the next call (``fast/kernels/tickets.py``: one zeroed buffer per device, shared with the
-MoE). A different SPLIT_K or BLOCK_K sums in a different order: rounding differences within NUMERIC
-of the reference, never between two calls with one config.
+to 0 for the next call (``fast/kernels/tickets.py``: one zeroed buffer per device). A different
+SPLIT_K or BLOCK_K sums in a different order: rounding differences within NUMERIC of the reference,
+never between two calls with one config.
 
 Bound: memory (W's bytes once; x is re-read from L2 by each program: ``M K`` elements per column
 tile), and at these sizes the latency of a launch: on the H200 (perf7 sweep, back-to-back calls in a

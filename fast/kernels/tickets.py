@@ -1,5 +1,5 @@
 """Zeroed int32 ticket counters, one buffer per device, for kernels whose last program to finish a tile
-does the tile's reduction (``skinny_linear``'s split-K, the MoE split form's sum over the k choices).
+does the tile's reduction (``skinny_linear``'s split-K).
 
 The pattern, in every kernel that uses it: each program stores its partial, passes a CTA barrier,
 takes a ticket from its tile's counter (``tl.atomic_add(..., sem="acq_rel", scope="gpu")``); the one
