@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from ops_helpers import NUMERIC_BOUND, pick
 
+from dflash2.fast.kernels import skinny_linear as sl
 from dflash2.fast.kernels import tickets
 from dflash2.fast.kernels.skinny_linear import (SkinnyConfig, skinny_linear, skinny_linear_torch,
                                                 skinny_linear_triton)
@@ -148,13 +149,23 @@ def test_skinny_linear_refusals_and_empty(impl_device):
 
 
 def test_skinny_linear_dispatch():
-    """CPU tensors take the torch form (and on CUDA, more rows than the call site's max_rows)."""
+    """CPU tensors take the torch form; on CUDA an untuned shape (or too many rows) takes cuBLAS, a tuned
+    one the kernel with its measured config, on an H200 only."""
     x, w = make_inputs(3, 8, 16, False, seed=2)
     assert torch.equal(skinny_linear(x, w), skinny_linear_torch(x, w))
-    if torch.cuda.is_available():
-        xc, wc = x.cuda(), w.cuda()
-        assert torch.equal(skinny_linear(xc, wc, max_rows=2), xc @ wc.T)
     assert torch.equal(skinny_linear(x, torch.cat([w, w]), True), skinny_linear_torch(x, torch.cat([w, w]), True))
+    assert sl.tuned_config(8, 512, 2048, False, torch.device("cpu")) is None
+    if not torch.cuda.is_available():
+        return
+    xc, wc = x.cuda(), w.cuda()
+    assert torch.equal(skinny_linear(xc, wc), xc @ wc.T)  # [8, 16] is not in the table
+    h200 = "H200" in torch.cuda.get_device_name()
+    assert (sl.tuned_config(8, 2048, 5632, False, xc.device) is not None) == h200
+    assert sl.tuned_config(64, 2048, 5632, False, xc.device) is None  # measured up to 32 rows
+    xt = torch.randn(8, 5632, device="cuda").bfloat16()
+    wt = torch.randn(2048, 5632, device="cuda").bfloat16()
+    want = skinny_linear_triton(xt, wt, config=sl.H200_TUNED[(2048, 5632, False)][1]) if h200 else xt @ wt.T
+    assert torch.equal(skinny_linear(xt, wt), want)
 
 
 def test_planted_bug_gate_and_up_swapped_is_caught(impl_device, report):

@@ -26,9 +26,10 @@ never between two calls with one config.
 
 Bound: memory (W's bytes once; x is re-read from L2 by each program: ``M K`` elements per column
 tile), and at these sizes the latency of a launch: on the H200 (perf7 sweep, back-to-back calls in a
-graph) the best configs are only 7-14% faster than cuBLAS, a 2 MiB projection still takes ~4.6 us
-and gate|up reaches 69% of its floor, and q|k|v [3072, 2048] and o [2048, 2048] stay faster in
-cuBLAS (6.87 and 6.34 us against 7.54 and 6.39), so the draft keeps cuBLAS there. No host sync; the
+graph) the best configs are 0-14% faster than cuBLAS, a 2 MiB projection still takes ~4.6 us and
+gate|up reaches 69% of its floor, and q|k|v [3072, 2048] and o [2048, 2048] stay faster in cuBLAS
+(6.87 and 6.34 us against 7.54 and 6.39), so the engine's dispatch (:func:`skinny_linear`) takes the
+kernel only for the shapes measured faster, with their measured configs. No host sync; the
 grid depends on the shapes and the config only.
 """
 
@@ -43,7 +44,6 @@ from torch import Tensor
 from .tickets import ticket_counters
 from .triton_compat import tl, triton, use_triton
 
-MAX_ROWS = 64  # above this the draft's batch is a real GEMM and cuBLAS wins (the engine's dispatch)
 
 
 @dataclass(frozen=True)
@@ -57,12 +57,34 @@ class SkinnyConfig:
     num_stages: int = 4
 
 
+# (N, K, swiglu) -> (the most rows it was measured faster than cuBLAS at, its fastest config): the H200
+# sweeps of bench/kernels/bench_skinny_linear.py (bench/results/2026-12-02-h200-perf7: us a call, this
+# kernel / cuBLAS, back-to-back in a graph, at 8 rows, and at 32 where that row count is kept). The
+# released drafts' GEMMs that are not here (q|k|v, o, and the 27B draft's conv kernel projections and
+# gate|up) measured as fast or faster in cuBLAS; an unmeasured shape or GPU goes to cuBLAS too.
+H200_TUNED: dict[tuple[int, int, bool], tuple[int, SkinnyConfig]] = {
+    (512, 2048, False): (32, SkinnyConfig(block_n=16, block_k=128, split_k=8)),  # 4.64 / 5.40; 32 rows 5.23 / 5.79
+    (5632, 2048, True): (8, SkinnyConfig(block_n=32, block_k=128)),  # gate|up + SwiGLU: 15.83 / 17.04 (+ its kernel)
+    (2048, 5632, False): (32, SkinnyConfig(block_n=32, block_k=128, split_k=4)),  # 10.50 / 12.01; 32 rows 11.36 / 12.42
+    (2048, 10240, False): (8, SkinnyConfig(block_n=32, block_k=128, split_k=4)),  # fc: 15.88 / 17.21
+    (5120, 17408, False): (8, SkinnyConfig(block_n=32, block_k=128, split_k=2)),  # 27B down: 51.26 / 55.34
+    (5120, 25600, False): (8, SkinnyConfig(block_n=32, block_k=128, split_k=4)),  # 27B fc: 69.92 / 76.19
+}
+
+
+def tuned_config(rows: int, n: int, k: int, swiglu: bool, device: torch.device) -> SkinnyConfig | None:
+    """The measured config for this call on an H200, or None (cuBLAS is as fast or unmeasured)."""
+    entry = H200_TUNED.get((n, k, swiglu))
+    if entry is None or rows > entry[0] or device.type != "cuda" or "H200" not in torch.cuda.get_device_name(device):
+        return None
+    return entry[1]
+
+
 def default_config(rows: int, n: int, k: int, swiglu: bool = False) -> SkinnyConfig:
-    """The H200 sweep's rule (bench/results/2026-12-02-h200-perf7, 8 and 32 rows): K in 128-wide steps,
-    32-column tiles (16 up to N = 1024), and K split in two while that keeps at most 256 programs and
-    256 K columns a split. Its picks were the fastest there: [512, 2048] 16 x 8 splits (4.64 us, cuBLAS
-    5.40), [2048, 5632] 32 x 4 (10.50, cuBLAS 12.01), [2048, 10240] 32 x 4 (15.88, cuBLAS 17.21),
-    gate|up [2 x 5632, 2048] 32 x 1 (15.83, cuBLAS + the activation kernel 17.04)."""
+    """A generic config for a shape the sweep did not cover (direct calls; the engine goes through
+    :data:`H200_TUNED`): K in 128-wide steps, 32-column tiles (16 up to N = 1024), and K split in two
+    while that keeps at most 256 programs and 256 K columns a split (the rule of the 35B draft's picks;
+    the 27B draft's long-K projections wanted more splits)."""
     block_n = 16 if n <= 1024 else 32
     tiles = triton.cdiv(n, block_n) * triton.cdiv(max(rows, 1), 64)
     split = 1
@@ -188,9 +210,12 @@ def skinny_linear_triton(x: Tensor, weight: Tensor, swiglu: bool = False, config
     return out
 
 
-def skinny_linear(x: Tensor, weight: Tensor, swiglu: bool = False, max_rows: int = MAX_ROWS) -> Tensor:
-    """The engine's entry point: the kernel for CUDA tensors of at most ``max_rows`` rows (the call site's
-    measured crossover with cuBLAS), the torch form otherwise."""
-    if use_triton(x, weight) and x.shape[0] <= max_rows and weight.is_contiguous() and x.stride(-1) == 1:
-        return skinny_linear_triton(x, weight, swiglu)
+def skinny_linear(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
+    """The engine's entry point: the kernel with its measured config where :data:`H200_TUNED` has the
+    shape (CUDA tensors, up to the rows measured), the torch form (cuBLAS on CUDA) otherwise."""
+    if use_triton(x, weight) and weight.is_contiguous() and x.stride(-1) == 1 and x.dim() == 2:
+        n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+        config = tuned_config(x.shape[0], n, x.shape[1], swiglu, x.device)
+        if config is not None:
+            return skinny_linear_triton(x, weight, swiglu, config=config)
     return skinny_linear_torch(x, weight, swiglu)

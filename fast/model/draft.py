@@ -30,13 +30,14 @@ Block-side kernels (each a Triton kernel on CUDA and its torch twin elsewhere, d
 ``use_triton``): a conv prepare is ``fast/kernels/dynamic_conv.grouped_dynamic_conv``; each conv
 finish, its residual add ``x + finish(...)`` and the RMSNorm after it (the post-attention norm, the
 next layer's input norm, the final norm) are one ``fast/kernels/conv_finish_norm.conv_finish_norm``
-(the stored weight as the norm's scale), and the first layer's input norm ``norm.add_rms_norm``; q/k norms and RoPE are one ``rope.draft_qk_norm_rope``
-with cos/sin computed once per ``forward_blocks`` (every layer, q and k, share the positions); the
+(the stored weight as the norm's scale), and the first layer's input norm ``norm.add_rms_norm``; q/k
+norms and RoPE are one ``rope.draft_qk_norm_rope`` with cos/sin computed once per ``forward_blocks`` (every layer, q and k, share the positions); the
 window attention is ``fast/kernels/ring_attention.ring_attention`` (split-window on CUDA), reading
 each layer's ring ``RingPool.k[layer]``, ``RingPool.v[layer]`` in place. The GEMMs are 2-D ones over
-the B*S rows, per layer (``fast/kernels/skinny_linear.skinny_linear`` where the H200 sweep found it
-faster than cuBLAS, up to the row count measured: the conv kernel projections, gate|up, down, and fc
-on the context side; cuBLAS for q|k|v, o and the LM head): the two conv kernel projections
+the B*S rows, per layer (``fast/kernels/skinny_linear.skinny_linear`` for the conv kernel projections,
+gate|up, down and the context side's fc: its Triton kernel where the H200 sweep measured it faster
+than cuBLAS at that shape and row count, cuBLAS otherwise; cuBLAS for q|k|v, o and the LM head): the
+two conv kernel projections
 ``[2*K*C/G, C]``; q, k and v as one over ``block_qkv_weights[layer]``
 ``[(H + 2 Hkv) D, C]`` (q rows, then that layer's k|v rows of ``context_kv_weight``, copied: the
 context side keeps its one stacked matrix, so its batch-invariant GEMM and its bits are unchanged;
@@ -169,7 +170,7 @@ class FastDraft:
         if features.dim() != 2 or features.shape[1] != expected:
             raise ValueError(f"features {list(features.shape)}: expected [N, {expected}] (m*C, the taps of "
                              f"target layers {list(self.cfg.target_layer_ids)} concatenated)")
-        rows = skinny_linear(features.to(self.dtype), self.w["fc.weight"], max_rows=16)  # [N, C]
+        rows = skinny_linear(features.to(self.dtype), self.w["fc.weight"])  # [N, C]
         return add_rms_norm(rows, None, self.norms["hidden_norm.weight"], self.cfg.rms_norm_eps, self.dtype)[1]
 
     def context_kv(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -236,8 +237,8 @@ class FastDraft:
         x, u = self._conv_finish_norm(o, f"{p}attention_conv", delta, x, f"{p}post_attention_layernorm.weight")
         u, delta = self._conv_prepare(u, f"{p}mlp_conv")
         rows = u.reshape(-1, u.shape[-1])  # [B*S, C]
-        act = skinny_linear(rows, self.gate_up[layer], swiglu=True, max_rows=16)  # [B*S, I]
-        m = skinny_linear(act, w[f"{p}mlp.down_proj.weight"], max_rows=32)
+        act = skinny_linear(rows, self.gate_up[layer], swiglu=True)  # [B*S, I]
+        m = skinny_linear(act, w[f"{p}mlp.down_proj.weight"])
         return self._conv_finish_norm(m.view(x.shape), f"{p}mlp_conv", delta, x, next_norm)
 
     def forward_blocks(self, anchor_tokens: Tensor, anchor_positions: Tensor, ring_pool: RingPool,
