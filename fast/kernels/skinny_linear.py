@@ -35,6 +35,7 @@ grid depends on the shapes and the config only.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,6 @@ from torch import Tensor
 
 from .tickets import ticket_counters
 from .triton_compat import tl, triton, use_triton
-
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,15 @@ H200_TUNED: dict[tuple[int, int, bool], tuple[int, SkinnyConfig]] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _is_h200(device: torch.device) -> bool:
+    return device.type == "cuda" and "H200" in torch.cuda.get_device_name(device)
+
+
 def tuned_config(rows: int, n: int, k: int, swiglu: bool, device: torch.device) -> SkinnyConfig | None:
     """The measured config for this call on an H200, or None (cuBLAS is as fast or unmeasured)."""
     entry = H200_TUNED.get((n, k, swiglu))
-    if entry is None or rows > entry[0] or device.type != "cuda" or "H200" not in torch.cuda.get_device_name(device):
+    if entry is None or rows > entry[0] or not _is_h200(device):
         return None
     return entry[1]
 

@@ -31,22 +31,24 @@ Block-side kernels (each a Triton kernel on CUDA and its torch twin elsewhere, d
 finish, its residual add ``x + finish(...)`` and the RMSNorm after it (the post-attention norm, the
 next layer's input norm, the final norm) are one ``fast/kernels/conv_finish_norm.conv_finish_norm``
 (the stored weight as the norm's scale), and the first layer's input norm ``norm.add_rms_norm``; q/k
-norms and RoPE are one ``rope.draft_qk_norm_rope`` with cos/sin computed once per ``forward_blocks`` (every layer, q and k, share the positions); the
-window attention is ``fast/kernels/ring_attention.ring_attention`` (split-window on CUDA), reading
-each layer's ring ``RingPool.k[layer]``, ``RingPool.v[layer]`` in place. The GEMMs are 2-D ones over
-the B*S rows, per layer (``fast/kernels/skinny_linear.skinny_linear`` for the conv kernel projections,
-gate|up, down and the context side's fc: its Triton kernel where the H200 sweep measured it faster
-than cuBLAS at that shape and row count, cuBLAS otherwise; cuBLAS for q|k|v, o and the LM head): the
-two conv kernel projections
-``[2*K*C/G, C]``; q, k and v as one over ``block_qkv_weights[layer]``
-``[(H + 2 Hkv) D, C]`` (q rows, then that layer's k|v rows of ``context_kv_weight``, copied: the
-context side keeps its one stacked matrix, so its batch-invariant GEMM and its bits are unchanged;
-about 2*Hkv*D*C elements more per layer), read by the prologue and the attention as head views;
-o_proj; gate and up as one over ``gate_up[layer]`` ``[2I, C]`` with ``silu(gate) * up`` as its
-epilogue (fp32, rounded once to the draft dtype; the torch form is ``mlp.swiglu_act_torch`` of the
-GEMM's output); down. The LM head stays in cuBLAS, which streams its 1 GB at the floor. The per-name entries of
-``self.w`` are views: q_proj into ``block_qkv_weights``, k_proj and v_proj into ``context_kv_weight``,
-gate_proj and up_proj into ``gate_up``. The logits stay in the draft dtype (``DraftBlocks.logits``).
+norms and RoPE are one ``rope.draft_qk_norm_rope`` with cos/sin computed once per ``forward_blocks``
+(every layer, q and k, share the positions); the window attention is
+``fast/kernels/ring_attention.ring_attention`` (split-window on CUDA), reading each layer's ring
+``RingPool.k[layer]``, ``RingPool.v[layer]`` in place.
+
+The GEMMs are 2-D ones over the B*S rows, per layer: the two conv kernel projections
+``[2*K*C/G, C]``; q, k and v as one over ``block_qkv_weights[layer]`` ``[(H + 2 Hkv) D, C]`` (q rows,
+then that layer's k|v rows of ``context_kv_weight``, copied: the context side keeps its one stacked
+matrix, so its batch-invariant GEMM and its bits are unchanged; about 2*Hkv*D*C elements more per
+layer), read by the prologue and the attention as head views; o_proj; gate and up as one over
+``gate_up[layer]`` ``[2I, C]`` with ``silu(gate) * up`` as its epilogue (fp32, rounded once to the
+draft dtype; the torch form is ``mlp.swiglu_act_torch`` of the GEMM's output); down. The conv kernel
+projections, gate|up, down and the context side's fc go through
+``fast/kernels/skinny_linear.skinny_linear``: its Triton kernel where the H200 sweep measured it
+faster than cuBLAS at that shape and row count, cuBLAS otherwise. q|k|v, o and the LM head stay in
+cuBLAS (the LM head streams its 1 GB at the floor). The per-name entries of ``self.w`` are views:
+q_proj into ``block_qkv_weights``, k_proj and v_proj into ``context_kv_weight``, gate_proj and
+up_proj into ``gate_up``. The logits stay in the draft dtype (``DraftBlocks.logits``).
 """
 
 from __future__ import annotations
