@@ -51,6 +51,15 @@ def graph_seconds(fn, reps: int = 20) -> float:
     return cuda_time(capture_graph(fn).replay, reps=reps)
 
 
+def graph_replay_us(fn, calls: int = 1) -> float:
+    """Device microseconds per call of a CUDA graph of ``fn`` (:func:`capture_graph`) making ``calls``
+    calls: the median of triton's ``do_bench`` over replays, which flushes the L2 between them (the
+    kernel micro-benchmarks' measure: back-to-back launches as a captured step runs them)."""
+    from triton.testing import do_bench  # the GPU machine's; ft bench itself does not need it
+
+    return do_bench(capture_graph(fn).replay, warmup=10, rep=60, return_mode="median") * 1e3 / calls
+
+
 def rms_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """rms(a - b) / rms(b) in float64 (docs/tolerances.md, NUMERIC)."""
     a, b = a.double(), b.double()

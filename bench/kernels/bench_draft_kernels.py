@@ -21,22 +21,12 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench
 
+from dflash2.bench.measure import graph_replay_us
 from dflash2.fast.kernels.selector import top_candidates_triton
 
 V, SLOTS = 248320, 7
 BLOCK_VS = (256, 512, 1024, 2048, 4096)
-
-
-def graph_us(fn, calls: int) -> float:
-    """Device us per call of a CUDA graph holding ``calls`` calls (fn makes them all)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=10, rep=60, return_mode="median") * 1e3 / calls
 
 
 def bench_topk(gen: torch.Generator) -> list[dict]:
@@ -46,7 +36,7 @@ def bench_topk(gen: torch.Generator) -> list[dict]:
     for block_v in BLOCK_VS:
         got = top_candidates_triton(logits, 16, block_v)
         exact = torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
-        us = graph_us(lambda block_v=block_v: top_candidates_triton(logits, 16, block_v), 1)
+        us = graph_replay_us(lambda block_v=block_v: top_candidates_triton(logits, 16, block_v))
         results.append({"op": "top_candidates", "block_v": block_v, "us": us, "equal_to_1024": exact})
         print(f"top_candidates BLOCK_V={block_v}: {us:7.2f} us  equal {exact}", flush=True)
     return results

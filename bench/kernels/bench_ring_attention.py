@@ -21,23 +21,14 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench
 
+from dflash2.bench.measure import copy_bandwidth, graph_replay_us, rms_rel
 from dflash2.fast.kernels.ring_attention import ring_attention_triton
 
 SHAPES = {"35b-a3b": (16, 4, 128), "27b": (32, 8, 128)}  # H, Hkv, D
 WINDOW, CAPACITY, ROWS, LAYERS = 2048, 2112, 8, 32
 SPLIT_LENS = (64, 128, 256, 512, 2048)
 BLOCK_NS = (32, 64, 128)
-
-
-def graph_us(fn, calls: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=10, rep=60, return_mode="median") * 1e3 / calls
 
 
 def bench_shape(name: str, heads: int, kv_heads: int, dim: int, bandwidth: float, gen) -> list[dict]:
@@ -54,7 +45,7 @@ def bench_shape(name: str, heads: int, kv_heads: int, dim: int, bandwidth: float
         return [ring_attention_triton(q, bk, bv, rk, rv, slots, anchor, WINDOW, **plan) for rk, rv in rings]
 
     want = call()[0].float()
-    base_us = graph_us(lambda: call(), LAYERS)
+    base_us = graph_replay_us(lambda: call(), LAYERS)
     print(f"{name}: floor {floor_us:5.2f} us, default plan {base_us:6.2f} us", flush=True)
     results = [{"shape": name, "plan": "default", "us": base_us, "floor_us": floor_us}]
     for split_len in SPLIT_LENS:
@@ -62,11 +53,11 @@ def bench_shape(name: str, heads: int, kv_heads: int, dim: int, bandwidth: float
             if split_len % block_n:
                 continue
             got = call(split_len=split_len, block_n=block_n)[0].float()
-            err = float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+            err = rms_rel(got, want)
             if not err <= 1e-2:
                 print(f"  split {split_len} block_n {block_n}: WRONG ({err:.2e})", flush=True)
                 continue
-            us = graph_us(lambda s=split_len, b=block_n: call(split_len=s, block_n=b), LAYERS)
+            us = graph_replay_us(lambda s=split_len, b=block_n: call(split_len=s, block_n=b), LAYERS)
             print(f"  split_len {split_len:5d} block_n {block_n:4d}: {us:6.2f} us ({base_us / us:4.2f}x default)",
                   flush=True)
             results.append({"shape": name, "split_len": split_len, "block_n": block_n, "us": us, "floor_us": floor_us,
@@ -82,9 +73,7 @@ def main() -> None:
         raise SystemExit("bench_ring_attention.py needs CUDA")
     start = time.perf_counter()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda")
-    dst = torch.empty_like(src)
-    bandwidth = 4 * src.numel() / (do_bench(lambda: dst.copy_(src), warmup=5, rep=40) * 1e-3)
+    bandwidth = copy_bandwidth()
     rows = []
     for name, (heads, kv_heads, dim) in SHAPES.items():
         rows += bench_shape(name, heads, kv_heads, dim, bandwidth, gen)

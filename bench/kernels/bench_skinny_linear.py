@@ -8,10 +8,11 @@ shapes, 8 rows a request (issue 8: the draft forward is verify-only time), besid
 
 Each case is a CUDA graph of back-to-back calls, each on its own copy of the weight (copies enough to
 hold >= 256 MiB, so nothing stays in the 60 MiB L2 between calls, as in the step), replayed under
-triton's do_bench (median, L2 flushed between replays); us per call. cuBLAS's swiglu case is the GEMM
-plus the engine's activation kernel (what the draft runs now). Floor: the weight's bytes over the copy
-bandwidth measured here (bench/floors.py's measure). Every config's output is checked against cuBLAS
-(rms-relative <= 2e-2 in bf16) before it is timed.
+triton's do_bench (bench/measure.graph_replay_us: median, L2 flushed between replays); us per call.
+cuBLAS's swiglu case is the GEMM plus the engine's activation kernel (what the draft runs without this
+kernel). Floor: the weight's bytes over the copy bandwidth measured here (bench/measure.copy_bandwidth,
+as ft bench's floors). Every config's output is checked against cuBLAS (rms-relative <= 2e-2 in bf16)
+before it is timed.
 
     PYTHONPATH=/tmp/pkg python3 bench/kernels/bench_skinny_linear.py --out result.json     # from the repo root
 """
@@ -24,8 +25,8 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench
 
+from dflash2.bench.measure import copy_bandwidth, graph_replay_us, rms_rel
 from dflash2.fast.kernels.skinny_linear import SkinnyConfig, default_config, skinny_linear_triton
 from dflash2.fast.kernels.swiglu import swiglu_act_triton
 
@@ -57,23 +58,6 @@ def configs_for(rows: int, n: int, k: int) -> list[SkinnyConfig]:
     return out
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s of a 1 GiB device copy (read + write), as bench/floors.py measures it."""
-    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=5, rep=40, return_mode="median")
-    return 2 * src.numel() * 2 / (ms * 1e-3)
-
-
-def graph_us(fn, calls: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=10, rep=60, return_mode="median") * 1e3 / calls
-
-
 def bench_shape(name, rows, n, k, swiglu, bandwidth, gen) -> list[dict]:
     out_n = 2 * n if swiglu else n
     weight_bytes = out_n * k * 2
@@ -91,7 +75,7 @@ def bench_shape(name, rows, n, k, swiglu, bandwidth, gen) -> list[dict]:
     want = x @ weights[0].T
     if swiglu:
         want = swiglu_act_triton(want)
-    base_us = graph_us(cublas, copies)
+    base_us = graph_replay_us(cublas, copies)
     print(f"{name} rows={rows} N={n} K={k}{' swiglu' if swiglu else ''}: floor {floor_us:6.2f} us, "
           f"cuBLAS {base_us:6.2f} us ({100 * floor_us / base_us:4.1f}%)", flush=True)
     results = [{"shape": name, "rows": rows, "n": n, "k": k, "swiglu": swiglu, "impl": "cublas", "us": base_us,
@@ -99,12 +83,12 @@ def bench_shape(name, rows, n, k, swiglu, bandwidth, gen) -> list[dict]:
     default = default_config(rows, n, k, swiglu)
     for cfg in dict.fromkeys(configs_for(rows, n, k) + [default]):
         got = skinny_linear_triton(x, weights[0], swiglu, config=cfg)
-        err = float((got.float() - want.float()).pow(2).mean().sqrt() / want.float().pow(2).mean().sqrt())
+        err = rms_rel(got.float(), want.float())
         if not err <= 2e-2:
             print(f"  {cfg}: WRONG (rms-relative {err:.2e})", flush=True)
             results.append({"shape": name, "rows": rows, "impl": "skinny", "config": cfg.__dict__, "error": err})
             continue
-        us = graph_us(lambda cfg=cfg: [skinny_linear_triton(x, w, swiglu, config=cfg) for w in weights], copies)
+        us = graph_replay_us(lambda cfg=cfg: [skinny_linear_triton(x, w, swiglu, config=cfg) for w in weights], copies)
         tag = " (default)" if cfg == default else ""
         print(f"  bn{cfg.block_n:<3d} bk{cfg.block_k:<4d} split{cfg.split_k:<3d}: {us:6.2f} us "
               f"({100 * floor_us / us:4.1f}% of floor, {base_us / us:4.2f}x cuBLAS){tag}", flush=True)

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..model.norm import add_rms_norm_torch
 from .dynamic_conv import _check as _check_conv
-from .dynamic_conv import grouped_dynamic_conv_torch
+from .dynamic_conv import conv_taps, grouped_dynamic_conv_torch
 from .triton_compat import tl, triton, use_triton
 
 MAX_BLOCK = 8192  # channels one program holds (C = 5120 pads to 8192), as rms_norm.MAX_BLOCK; no chunked walk here
@@ -74,15 +74,9 @@ def _conv_finish_norm_kernel(o_ptr, base_ptr, delta_ptr, res_ptr, scale_ptr, h_p
     i = row % S
     cols = tl.arange(0, BLOCK)
     in_c = cols < C
-    # the conv side: _grouped_dynamic_conv_kernel's loop, the same expression (and so the same contraction)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for tau in tl.static_range(K):
-        live = in_c & (i >= tau)  # the tap reaches a row of this block
-        ov = tl.load(o_ptr + b * stride_ob + (i - tau) * stride_os + cols, mask=live, other=0.0).to(tl.float32)
-        w = tl.load(base_ptr + tau * stride_base + cols, mask=live, other=0.0).to(tl.float32)
-        dv = tl.load(delta_ptr + b * stride_db + i * stride_ds + tau * stride_dk + cols // G, mask=live,
-                     other=0.0).to(tl.float32)
-        acc += (w + dv) * ov
+    # the conv side: the function _grouped_dynamic_conv_kernel sums its taps with (so the same contraction)
+    acc = conv_taps(o_ptr, base_ptr, delta_ptr, b, i, cols, in_c, stride_ob, stride_os, stride_base, stride_db,
+                    stride_ds, stride_dk, G, K, BLOCK)
     y = acc.to(h_ptr.dtype.element_ty)  # y rounds to the model dtype first, as the conv kernel's output
     r = tl.load(res_ptr + b * stride_rb + i * stride_rs + cols, mask=in_c, other=0.0)
     h = (r.to(tl.float32) + y.to(tl.float32)).to(h_ptr.dtype.element_ty)  # padded lanes: 0 + 0

@@ -13,7 +13,10 @@ read in place through its strides).
 ``grouped_dynamic_conv_torch`` is the tap loop (pad, expand the group taps, multiply, add: ~5
 kernels per tap) in the inputs' dtype. ``grouped_dynamic_conv_triton``: one program per (row,
 ``BLOCK_C`` channels) sums the K taps in fp32 and rounds y once to the model dtype; with a residual
-it then adds r and rounds again, as ``r + y`` rounds in the torch form. One kernel per side.
+it then adds r and rounds again, as ``r + y`` rounds in the torch form. One kernel per side. The
+draft runs this for the prepare side only: its finish side, with the residual add and the norm after
+it, is ``conv_finish_norm`` (which sums the taps by this module's ``conv_taps`` and is held bit for bit
+to this kernel's residual form followed by the norm kernel).
 
 Bound: launch latency (a block row of 5120 channels is 10 KiB in bf16). Deterministic, no host sync,
 a grid fixed by the shapes.
@@ -57,6 +60,22 @@ def grouped_dynamic_conv_torch(x: Tensor, base: Tensor, delta: Tensor, group_siz
 
 
 @triton.jit
+def conv_taps(x_ptr, base_ptr, delta_ptr, b, i, cols, in_c, stride_xb, stride_xs, stride_base, stride_db, stride_ds,
+              stride_dk, G: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+    """The module docstring's y_i over the ``cols`` channels of block b's row i, fp32 ``[BLOCK]`` (not rounded):
+    shared with ``conv_finish_norm``'s kernel, so both sum the taps by the one expression."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for tau in tl.static_range(K):
+        live = in_c & (i >= tau)  # the tap reaches a row of this block
+        xv = tl.load(x_ptr + b * stride_xb + (i - tau) * stride_xs + cols, mask=live, other=0.0).to(tl.float32)
+        w = tl.load(base_ptr + tau * stride_base + cols, mask=live, other=0.0).to(tl.float32)
+        dv = tl.load(delta_ptr + b * stride_db + i * stride_ds + tau * stride_dk + cols // G, mask=live,
+                     other=0.0).to(tl.float32)
+        acc += (w + dv) * xv
+    return acc
+
+
+@triton.jit
 def _grouped_dynamic_conv_kernel(x_ptr, base_ptr, delta_ptr, res_ptr, out_ptr, stride_xb, stride_xs, stride_base,
                                  stride_db, stride_ds, stride_dk, stride_rb, stride_rs,
                                  S: tl.constexpr, C: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
@@ -66,14 +85,8 @@ def _grouped_dynamic_conv_kernel(x_ptr, base_ptr, delta_ptr, res_ptr, out_ptr, s
     i = row % S
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_c = cols < C
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for tau in tl.static_range(K):
-        live = in_c & (i >= tau)  # the tap reaches a row of this block
-        xv = tl.load(x_ptr + b * stride_xb + (i - tau) * stride_xs + cols, mask=live, other=0.0).to(tl.float32)
-        w = tl.load(base_ptr + tau * stride_base + cols, mask=live, other=0.0).to(tl.float32)
-        dv = tl.load(delta_ptr + b * stride_db + i * stride_ds + tau * stride_dk + cols // G, mask=live,
-                     other=0.0).to(tl.float32)
-        acc += (w + dv) * xv
+    acc = conv_taps(x_ptr, base_ptr, delta_ptr, b, i, cols, in_c, stride_xb, stride_xs, stride_base, stride_db,
+                    stride_ds, stride_dk, G, K, BLOCK_C)
     y = acc.to(out_ptr.dtype.element_ty)
     if HAS_RES:  # r + y with y rounded first, as the torch form's residual + conv
         r = tl.load(res_ptr + b * stride_rb + i * stride_rs + cols, mask=in_c, other=0.0)
