@@ -139,12 +139,60 @@ def bench(model: str, cfg, seqs: int, bw: float | None, device: str, gen: torch.
     return row
 
 
+TILES = ((32, 4), (32, 2), (16, 4), (16, 2), (16, 1), (8, 2), (8, 1), (64, 4), (64, 8))  # (block_v, num_warps)
+
+
+def tile_sweep(cfg, seqs: int, device: str, gen: torch.Generator) -> list[dict]:
+    """The state tile (``default_block_v``, ``NUM_WARPS``: shared by the recurrence and the commit, set in both
+    modules here) swept at one model's shapes: device us for every GDN layer's verify (one graph, as a step
+    runs them), every layer's decode, and the commit, with the EXACT check of :func:`check` per tile."""
+    from dflash2.fast.kernels import gdn_commit, gdn_recurrent
+
+    saved = (gdn_recurrent.NUM_WARPS, gdn_recurrent.default_block_v, gdn_commit.NUM_WARPS, gdn_commit.default_block_v)
+    out = []
+    try:
+        for block_v, warps in TILES:
+            tile = lambda dv, b=block_v: min(b, dv)  # noqa: E731
+            gdn_recurrent.NUM_WARPS = gdn_commit.NUM_WARPS = warps
+            gdn_recurrent.default_block_v = gdn_commit.default_block_v = tile
+            c = case(cfg, seqs, device, gen)
+            layers = len(c["slots"])
+            kept = torch.randint(1, ROWS + 1, (seqs,), generator=gen).to(device)
+            row = {"block_v": block_v, "num_warps": warps, "seqs": seqs, "ok": check(c, kept)}
+            decode_rows, full = c["decode"], torch.full((seqs,), ROWS, device=device)
+
+            def decode_all(c=c, decode_rows=decode_rows):
+                for slots in c["slots"]:
+                    gated_delta_rule_verify_triton(*decode_rows, slots.recurrent_storage, c["cu1"], 1,
+                                                   state_index=c["index"], output_final_state=False,
+                                                   final_state_index=c["index"])
+
+            row["verify_us"] = graph_seconds(lambda c=c: [verify_layer(c, i) for i in range(layers)]) * 1e6 / layers
+            row["decode_us"] = graph_seconds(decode_all) * 1e6 / layers
+            row["commit_us"] = graph_seconds(lambda c=c, full=full: commit(c, full)) * 1e6
+            print(f"tile block_v={block_v:3d} warps={warps}: verify {row['verify_us']:.2f} us/layer, decode "
+                  f"{row['decode_us']:.2f} us/layer, commit {row['commit_us']:.1f} us, ok={row['ok']}", flush=True)
+            out.append(row)
+    finally:
+        gdn_recurrent.NUM_WARPS, gdn_recurrent.default_block_v, gdn_commit.NUM_WARPS, gdn_commit.default_block_v = saved
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter): logic only")
+    ap.add_argument("--tiles", action="store_true", help="only the state-tile sweep (TILES) at the 35B-A3B shapes")
     args = ap.parse_args()
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    if args.tiles:
+        cfg = load_target_config(MODELS["35b-a3b"])
+        sweep = {seqs: tile_sweep(cfg, seqs, device, torch.Generator().manual_seed(0)) for seqs in (1, 4)}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+                           "tiles": sweep}, f, indent=1)
+        return
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
     configs = {model: load_target_config(path) for model, path in MODELS.items()}

@@ -66,7 +66,14 @@ from .triton_compat import tl, triton
 EXACT_ROWS = 16  # up to this many rows the loop length is max_rows itself; above, the next power of two
 UNROLL_MIN_ROWS = 2  # from 2 rows (a verify) to EXACT_ROWS the row loop is unrolled (module docstring); a decode's
 # one row keeps the plain loop
-NUM_WARPS = 4  # of every state-tile program, here and in the commit's replay: one layout, one tl.sum order
+# The state tile, of every state-tile program, here and in the commit's replay (one layout, one tl.sum order):
+# [Dk, 16] on one warp. The H200 sweep at the 35B-A3B shapes (bench_gdn_verify.py --tiles, perf8 call 2; us a
+# layer for verify and decode, every GDN layer in one graph, and the whole commit) against the [Dk, 32] on four
+# warps it replaces: B = 1: verify 8.73 / 9.33, decode 3.24 / 4.09, commit 58.9 / 68.5; B = 4: 11.07 / 13.78,
+# 6.52 / 6.85, 201.3 / 232.4. Of the nine tiles swept only [Dk, 16] on two warps was faster anywhere (B = 1
+# verify, 8.59).
+NUM_WARPS = 1
+BLOCK_V = 16
 
 
 class VerifyRowInputs(NamedTuple):
@@ -81,7 +88,7 @@ class VerifyRowInputs(NamedTuple):
 
 def default_block_v(value_dim: int) -> int:
     """The Dv slice of one state-tile program, unless the launcher is given another."""
-    return min(32, triton.next_power_of_2(value_dim))
+    return min(BLOCK_V, triton.next_power_of_2(value_dim))
 
 
 def delta_rule_step_torch(s: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
