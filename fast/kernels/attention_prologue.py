@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .pdl import launch_options, pdl_enabled
 from .triton_compat import tl, triton, use_triton
 
 
@@ -136,7 +137,10 @@ def _norm_rope_head(src, scale_ptr, cos_row, sin_row, dst, eps, D: tl.constexpr,
 def _draft_qk_norm_rope_kernel(q_ptr, k_ptr, q_scale_ptr, k_scale_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
                                stride_qn, stride_qh, stride_kn, stride_kh, stride_cos, stride_sin, eps,
                                H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                               BLOCK_D: tl.constexpr):
+                               BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cos_row, sin_row = cos_ptr + n * stride_cos, sin_ptr + n * stride_sin
@@ -175,7 +179,7 @@ def draft_qk_norm_rope_triton(q: Tensor, k: Tensor, q_scale: Tensor, k_scale: Te
     _draft_qk_norm_rope_kernel[(rows, heads + kv_heads)](
         q, k, q_scale, k_scale, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos.stride(0), sin.stride(0), float(eps), H=heads, HKV=kv_heads, D=head_dim, HALF=half, BLOCK_D=block_d,
-        num_warps=max(1, min(4, block_d // 64)))
+        PDL=pdl_enabled(q.device), num_warps=max(1, min(4, block_d // 64)), **launch_options(q.device))
     return q_out, k_out
 
 

@@ -37,6 +37,7 @@ from torch import Tensor
 from ..model.norm import add_rms_norm_torch
 from .dynamic_conv import _check as _check_conv
 from .dynamic_conv import conv_taps, grouped_dynamic_conv_torch
+from .pdl import launch_options, pdl_enabled
 from .triton_compat import tl, triton, use_triton
 
 MAX_BLOCK = 8192  # channels one program holds (C = 5120 pads to 8192), as rms_norm.MAX_BLOCK; no chunked walk here
@@ -68,7 +69,10 @@ def conv_finish_norm_torch(o: Tensor, base: Tensor, delta: Tensor, group_size: i
 def _conv_finish_norm_kernel(o_ptr, base_ptr, delta_ptr, res_ptr, scale_ptr, h_ptr, u_ptr, stride_ob, stride_os,
                              stride_base, stride_db, stride_ds, stride_dk, stride_rb, stride_rs, eps,
                              S: tl.constexpr, C: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
-                             BLOCK: tl.constexpr):
+                             BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     b = (row // S).to(tl.int64)
     i = row % S
@@ -108,8 +112,9 @@ def conv_finish_norm_triton(o: Tensor, base: Tensor, delta: Tensor, group_size: 
     _conv_finish_norm_kernel[(batch * rows,)](
         o, base, delta, residual, scale, h, u, o.stride(0), o.stride(1), base.stride(0), delta.stride(0),
         delta.stride(1), delta.stride(2), residual.stride(0), residual.stride(1), float(eps), S=rows, C=channels,
-        G=group_size, K=base.shape[0], BLOCK=block,
-        num_warps=max(1, min(16, block // 512)))  # add_rms_norm_triton's warps for this block: its reduction tree
+        G=group_size, K=base.shape[0], BLOCK=block, PDL=pdl_enabled(o.device),
+        num_warps=max(1, min(16, block // 512)),  # add_rms_norm_triton's warps for this block: its reduction tree
+        **launch_options(o.device))
     return h, u
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .pdl import launch_options, pdl_enabled
 from .triton_compat import tl, triton, use_triton
 
 MAX_BLOCK_C = 1024  # channels per program: 5120 channels are 5 programs per row
@@ -79,7 +80,10 @@ def conv_taps(x_ptr, base_ptr, delta_ptr, b, i, cols, in_c, stride_xb, stride_xs
 def _grouped_dynamic_conv_kernel(x_ptr, base_ptr, delta_ptr, res_ptr, out_ptr, stride_xb, stride_xs, stride_base,
                                  stride_db, stride_ds, stride_dk, stride_rb, stride_rs,
                                  S: tl.constexpr, C: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
-                                 BLOCK_C: tl.constexpr, HAS_RES: tl.constexpr):
+                                 BLOCK_C: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     b = (row // S).to(tl.int64)
     i = row % S
@@ -111,7 +115,8 @@ def grouped_dynamic_conv_triton(x: Tensor, base: Tensor, delta: Tensor, group_si
     _grouped_dynamic_conv_kernel[(batch * rows, triton.cdiv(channels, block_c))](
         x, base, delta, res, out, x.stride(0), x.stride(1), base.stride(0), delta.stride(0), delta.stride(1),
         delta.stride(2), res.stride(0), res.stride(1), S=rows, C=channels, G=group_size, K=base.shape[0],
-        BLOCK_C=block_c, HAS_RES=residual is not None, num_warps=4)
+        BLOCK_C=block_c, HAS_RES=residual is not None, PDL=pdl_enabled(x.device), num_warps=4,
+        **launch_options(x.device))
     return out
 
 

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from .paged_attention import MERGE_SPLITS, plan_splits
+from .pdl import launch_options, pdl_enabled
 from .triton_compat import tl, triton, use_triton
 
 LOG2E = math.log2(math.e)  # scores in base 2: exp(x) = exp2(x log2 e)
@@ -146,7 +147,10 @@ def _ring_split_kernel(q_ptr, bk_ptr, bv_ptr, rk_ptr, rv_ptr, ring_slot_ptr, anc
                        S: tl.constexpr, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                        WINDOW: tl.constexpr, CAPACITY: tl.constexpr, M_PAD: tl.constexpr, S_PAD: tl.constexpr,
                        D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr):
+                       NUM_SPLITS: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kv = tl.program_id(1)
     split = tl.program_id(2)
@@ -234,7 +238,10 @@ def _ring_split_kernel(q_ptr, bk_ptr, bv_ptr, rk_ptr, rv_ptr, ring_slot_ptr, anc
 @triton.jit
 def _ring_merge_kernel(po_ptr, plse_ptr, out_ptr, S: tl.constexpr, GROUP: tl.constexpr, HKV: tl.constexpr,
                        D: tl.constexpr, D_PAD: tl.constexpr, M_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                       S_CHUNK: tl.constexpr, D_BLOCK: tl.constexpr):
+                       S_CHUNK: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)  # b * S + i
     head = tl.program_id(1)
     d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
@@ -288,7 +295,7 @@ def ring_attention_triton(q: Tensor, block_k: Tensor, block_v: Tensor, ring_k: T
         partial_lse = torch.empty((batch, kv_heads, plan.num_splits, plan.m_pad), dtype=torch.float32,
                                   device=q.device)
     common = dict(S=block, GROUP=group, HKV=kv_heads, D=dim, D_PAD=plan.d_pad, M_PAD=plan.m_pad,
-                  NUM_SPLITS=plan.num_splits)
+                  NUM_SPLITS=plan.num_splits, PDL=pdl_enabled(q.device), **launch_options(q.device))
     _ring_split_kernel[(batch, kv_heads, plan.num_splits)](
         q, block_k, block_v, ring_k, ring_v, ring_slots.to(torch.int64).contiguous(),
         anchor_positions.to(torch.int64).contiguous(), out, partial_o, partial_lse, q.stride(0), block_k.stride(0),

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from dflash2.reference.request.rng import Purpose
 
+from .pdl import launch_options, pdl_enabled
 from .philox import keyed_uniform_torch, philox_uniform
 from .sampler import draw_torch
 from .triton_compat import tl, triton, use_triton
@@ -154,9 +155,13 @@ def _top_keys(keys, KSEL: tl.constexpr, KSEL_PAD: tl.constexpr):
 
 @triton.jit
 def _block_topk_kernel(logits_ptr, stride_b, stride_i, out_key_ptr, K: tl.constexpr, KSEL: tl.constexpr,
-                       KSEL_PAD: tl.constexpr, VOCAB: tl.constexpr, BLOCK_V: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+                       KSEL_PAD: tl.constexpr, VOCAB: tl.constexpr, BLOCK_V: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program (row, blk): the keys of the KSEL best logits of ids blk*BLOCK_V .. +BLOCK_V-1 of row b*K + i,
     written at ``(row * NUM_BLOCKS + blk) * KSEL`` (a block with fewer real ids pads with _EMPTY)."""
+    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)  # b * K + i
     blk = tl.program_id(1)
     b, i = row // K, row % K
@@ -171,10 +176,13 @@ def _block_topk_kernel(logits_ptr, stride_b, stride_i, out_key_ptr, K: tl.conste
 @triton.jit
 def _merge_topk_kernel(key_ptr, out_key_ptr, cand_ptr, unary_ptr, logits_ptr, stride_b, stride_i, K: tl.constexpr,
                        KSEL: tl.constexpr, KSEL_PAD: tl.constexpr, ENTRIES: tl.constexpr, GROUP: tl.constexpr,
-                       GROUP_PAD: tl.constexpr, FINAL: tl.constexpr):
+                       GROUP_PAD: tl.constexpr, FINAL: tl.constexpr, PDL: tl.constexpr):
     """Program (row, g): the KSEL largest of the row's keys g*GROUP .. (g+1)*GROUP-1 (of ENTRIES), written at
     ``(row * groups + g) * KSEL``: as keys to ``out_key_ptr`` for a later level, or with FINAL decoded into the
     ids (``cand_ptr``) and their logits (``unary_ptr``)."""
+    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     group = tl.program_id(1)
     lanes = tl.arange(0, GROUP_PAD)
@@ -202,7 +210,11 @@ def _merge_topk_kernel(key_ptr, out_key_ptr, cand_ptr, unary_ptr, logits_ptr, st
 @triton.jit
 def _walk_kernel(cand_ptr, unary_ptr, proj_ptr, pred_ptr, succ_ptr, anchor_tok_ptr, temperature_ptr, greedy_ptr,
                  seed_ptr, anchor_pos_ptr, tokens_ptr, probs_ptr, sigma_ptr, K: tl.constexpr, K_PAD: tl.constexpr,
-                 KSEL: tl.constexpr, KSEL_PAD: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr):
+                 KSEL: tl.constexpr, KSEL_PAD: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
+                 PDL: tl.constexpr):
+    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     lanes = tl.arange(0, KSEL_PAD)
     in_k = lanes < KSEL
@@ -274,7 +286,7 @@ def top_candidates_triton(logits: Tensor, top_k: int, block_v: int | None = None
     num_blocks = triton.cdiv(vocab, block_v)
     rows = batch * k
     strides = dict(stride_b=logits.stride(0), stride_i=logits.stride(1))
-    sizes = dict(K=k, KSEL=top_k, KSEL_PAD=ksel_pad)
+    sizes = dict(K=k, KSEL=top_k, KSEL_PAD=ksel_pad, PDL=pdl_enabled(device), **launch_options(device))
     keys = torch.empty((rows, num_blocks, top_k), dtype=torch.int64, device=device)
     _block_topk_kernel[(rows, num_blocks)](logits, out_key_ptr=keys, VOCAB=vocab, BLOCK_V=block_v,
                                            NUM_BLOCKS=num_blocks, num_warps=_key_warps(block_v), **strides, **sizes)
@@ -317,7 +329,8 @@ def select_triton(draft_logits: Tensor, hidden: Tensor, projection: Tensor, pred
                            anchor_positions.to(torch.int64).contiguous(), tokens, probs, sigma, K=k,
                            K_PAD=max(2, triton.next_power_of_2(k)), KSEL=top_k,
                            KSEL_PAD=max(2, triton.next_power_of_2(top_k)), RANK=rank,
-                           RANK_PAD=max(2, triton.next_power_of_2(rank)))
+                           RANK_PAD=max(2, triton.next_power_of_2(rank)), PDL=pdl_enabled(device),
+                           **launch_options(device))
     return SelectorBatch(tokens, cand_ids, probs, sigma)
 
 

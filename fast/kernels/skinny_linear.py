@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .pdl import launch_options, pdl_enabled
 from .tickets import ticket_counters
 from .triton_compat import tl, triton, use_triton
 
@@ -102,7 +103,10 @@ def default_config(rows: int, n: int, k: int, swiglu: bool = False) -> SkinnyCon
 def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, stride_xm, stride_om,
                           N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
                           M_PAD: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                          BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -211,7 +215,8 @@ def skinny_linear_triton(x: Tensor, weight: Tensor, swiglu: bool = False, config
     _skinny_linear_kernel[(n_tiles, split, m_tiles)](
         x, weight, out, part, counters, rows, x.stride(0), out.stride(0), N=n, K=k, K_PER_SPLIT=k_per_split,
         SPLIT_K=split, M_PAD=m_tiles * block_m, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_K=cfg.block_k, DOT_PRECISION=precision, PDL=pdl_enabled(x.device), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch_options(x.device))
     return out
 
 

@@ -7,8 +7,10 @@ drawing the last ticket passes another barrier, reads the partials (``cache_modi
 L2, not a stale L1), reduces them in a fixed order and resets the counter to 0 with
 ``tl.atomic_xchg``. So the buffer is all zeros between calls, whoever used it last, and one buffer
 serves every such kernel: they run one after another on the engine's stream (two of them in flight
-at once on one device, e.g. from two streams or a programmatic dependent launch, would share
-counters and break this).
+at once on one device, e.g. from two streams, would share counters and break this). A programmatic
+dependent launch keeps them one after another: under ``pdl.py``'s rule a kernel waits, before its
+first access, for the previous kernel's full completion (its counter resets included), and the next
+kernel gets past its own wait only once this one has completed, so at most one is past its wait.
 
 The buffer is made on a device's first call: the engine's eager warm-up, before any CUDA-graph
 capture, so a captured graph reads the same persistent buffer.

@@ -1,0 +1,197 @@
+"""Programmatic dependent launch (fast/kernels/pdl.py) on and off, over the draft's per-layer kernel chain.
+
+The 35B-A3B draft's own Triton kernels at 8 rows (one request's block), as ``fast/model/draft.py``'s
+``_layer`` runs them:
+
+    skinny_linear    attention conv kernel projection [512, C] (split-K 8: the ticket counters)
+    dynamic_conv     the attention conv's prepare side
+    (cuBLAS)         q|k|v [3072, C]
+    draft_qk_norm_rope, ring_attention (split + merge, the window full)
+    (cuBLAS)         o [C, 2048]
+    conv_finish_norm the attention conv's finish + residual + post-attention norm
+    skinny_linear, dynamic_conv   the MLP conv's kernel projection and prepare side
+    skinny_linear    gate|up with the SwiGLU epilogue [2 x 5632, C], down [C, 5632] (split-K 4)
+    conv_finish_norm the MLP conv's finish + residual + the next layer's input norm
+
+C = 2048, 16/4 heads of 128, conv taps 2 in groups of 16, W = 2048 (bench/shapes/qwen3.5-35b-a3b-dflash2).
+The skinny projections use their H200_TUNED configs on any GPU. The chain is repeated for 8 layers, each
+on its own weights and ring (~750 MB together, more than the L2), and captured as one CUDA graph, twice:
+with PDL (DFLASH2_PDL=1) and without (DFLASH2_PDL=0; a launch reads it when it is captured). Each
+graph is timed by bench/measure.graph_replay_us (triton's do_bench median, L2 flushed between replays),
+and its outputs must equal the other's bit for bit (PDL changes no arithmetic) with the ticket counters
+all zero after the replays. Two variants: ``layer`` (with the two cuBLAS GEMMs, as the draft runs) and
+``triton`` (the GEMMs left out: a fixed q|k|v per layer and the attention output as o, so every boundary
+is between two of our kernels). The saving per boundary is (off - on) over the PDL launches in the graph.
+The selector's kernels run once per step, not per layer, and are left out.
+
+    PYTHONPATH=/tmp/pkg python3 bench/kernels/bench_pdl.py --out pdl.json     # from the repo root
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+
+import torch
+import triton
+
+from dflash2.bench.measure import capture_graph, graph_replay_us
+from dflash2.fast.kernels.attention_prologue import draft_qk_norm_rope_triton
+from dflash2.fast.kernels.conv_finish_norm import conv_finish_norm_triton
+from dflash2.fast.kernels.dynamic_conv import grouped_dynamic_conv_triton
+from dflash2.fast.kernels.pdl import pdl_enabled
+from dflash2.fast.kernels.ring_attention import launch_plan, ring_attention_triton
+from dflash2.fast.kernels.skinny_linear import H200_TUNED, skinny_linear_triton
+from dflash2.fast.kernels.tickets import MAX_COUNTERS, ticket_counters
+
+C, H, HKV, D, INTER, TAPS, GROUP, WINDOW, CAPACITY = 2048, 16, 4, 128, 5632, 2, 16, 2048, 2112
+ROWS, LAYERS, EPS = 8, 8, 1e-6
+ANCHOR = 5000  # the window full, wrapping the ring
+
+
+def cuda_device() -> torch.device:
+    """The current CUDA device with its index, as tensors carry it (tickets.py keys its buffers by it)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def pdl_setting(on: bool):
+    """DFLASH2_PDL for the launches inside (fast/kernels/pdl.py reads it at every launch)."""
+    old = os.environ.get("DFLASH2_PDL")
+    os.environ["DFLASH2_PDL"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["DFLASH2_PDL"]
+        else:
+            os.environ["DFLASH2_PDL"] = old
+
+
+def make_layers(gen: torch.Generator) -> list[dict]:
+    def weight(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, device="cuda", generator=gen).mul_(k ** -0.5).bfloat16()
+
+    def norm(n: int) -> torch.Tensor:  # Qwen3's norms scale by the stored weight: around 1
+        return 1 + 0.1 * torch.randn(n, device="cuda", generator=gen)
+
+    def base() -> torch.Tensor:  # [2 sides, K taps, C]
+        return torch.randn(2, TAPS, C, device="cuda", generator=gen).mul_(0.5).bfloat16()
+
+    def ring() -> torch.Tensor:
+        return torch.randn(1, CAPACITY, HKV, D, device="cuda", generator=gen).bfloat16()
+
+    return [dict(attn_kp=weight(2 * TAPS * C // GROUP, C), attn_base=base(), qkv=weight((H + 2 * HKV) * D, C),
+                 q_norm=norm(D), k_norm=norm(D), ring_k=ring(), ring_v=ring(), o=weight(C, H * D), post_norm=norm(C),
+                 mlp_kp=weight(2 * TAPS * C // GROUP, C), mlp_base=base(), gate_up=weight(2 * INTER, C),
+                 down=weight(C, INTER), next_norm=norm(C),
+                 static_qkv=torch.randn(ROWS, H + 2 * HKV, D, device="cuda", generator=gen).bfloat16())
+            for _ in range(LAYERS)]
+
+
+def make_chain(layers: list[dict], gemms: bool, gen: torch.Generator):
+    """The 8-layer chain as a function of no arguments returning its outputs (for capture_graph)."""
+    kp_cfg = H200_TUNED[(2 * TAPS * C // GROUP, C, False)][1]
+    gate_up_cfg, down_cfg = H200_TUNED[(INTER, C, True)][1], H200_TUNED[(C, INTER, False)][1]
+    x0 = torch.randn(1, ROWS, C, device="cuda", generator=gen).bfloat16()
+    u0 = torch.randn(1, ROWS, C, device="cuda", generator=gen).bfloat16()
+    angles = torch.rand(ROWS, D // 2, device="cuda", generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.zeros(1, dtype=torch.long, device="cuda")
+    anchor = torch.full((1,), ANCHOR, dtype=torch.long, device="cuda")
+
+    def prepare(u, kp, base):
+        delta = skinny_linear_triton(u.view(ROWS, C), kp, config=kp_cfg).view(1, ROWS, 2, TAPS, C // GROUP)
+        return grouped_dynamic_conv_triton(u, base[0], delta[:, :, 0], GROUP), delta
+
+    def layer(w, x, u):
+        u, delta = prepare(u, w["attn_kp"], w["attn_base"])
+        qkv = (u.view(ROWS, C) @ w["qkv"].T).view(ROWS, H + 2 * HKV, D) if gemms else w["static_qkv"]
+        q, k = draft_qk_norm_rope_triton(qkv[:, :H], qkv[:, H:H + HKV], w["q_norm"], w["k_norm"], cos, sin, EPS)
+        a = ring_attention_triton(q, k, qkv[:, H + HKV:], w["ring_k"], w["ring_v"], slots, anchor, WINDOW)
+        o = (a.view(ROWS, H * D) @ w["o"].T if gemms else a.view(ROWS, H * D)).view(1, ROWS, C)
+        x, u = conv_finish_norm_triton(o, w["attn_base"][1], delta[:, :, 1], GROUP, x, w["post_norm"], EPS,
+                                       torch.bfloat16)
+        u, delta = prepare(u, w["mlp_kp"], w["mlp_base"])
+        act = skinny_linear_triton(u.view(ROWS, C), w["gate_up"], swiglu=True, config=gate_up_cfg)
+        m = skinny_linear_triton(act, w["down"], config=down_cfg).view(1, ROWS, C)
+        return conv_finish_norm_triton(m, w["mlp_base"][1], delta[:, :, 1], GROUP, x, w["next_norm"], EPS,
+                                       torch.bfloat16)
+
+    def chain():
+        x, u = x0, u0
+        outs = []
+        for w in layers:
+            x, u = layer(w, x, u)
+            outs += [x, u]
+        return outs
+
+    return chain
+
+
+def pdl_launches_per_layer() -> int:
+    """Our kernels in one layer: 4 skinny, 2 conv prepares, 2 finishes, the q/k prologue, the ring split and,
+    where the plan splits the window, its merge."""
+    merge = launch_plan(1, H, HKV, ROWS, D, WINDOW, cuda_device()).num_splits > 1
+    return 10 + int(merge)
+
+
+def replay_outputs(chain, on: bool) -> list[torch.Tensor]:
+    """One capture of the chain with PDL on or off, replayed 3 times; its outputs after the last replay."""
+    held = {}
+    with pdl_setting(on):
+        graph = capture_graph(lambda: held.__setitem__("outs", chain()))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    return [t.clone() for t in held["outs"]]
+
+
+def bench_variant(name: str, chain, launches: int) -> dict:
+    on_outs, off_outs = replay_outputs(chain, True), replay_outputs(chain, False)
+    equal = all(torch.equal(a, b) for a, b in zip(on_outs, off_outs))
+    times = {}
+    for on in (False, True):
+        with pdl_setting(on):
+            times[on] = graph_replay_us(chain)
+    zeros = bool((ticket_counters(cuda_device(), MAX_COUNTERS) == 0).all())
+    saved = times[False] - times[True]
+    print(f"{name}: PDL off {times[False]:8.2f} us, on {times[True]:8.2f} us ({LAYERS} layers; "
+          f"{times[False] / LAYERS:6.2f} / {times[True] / LAYERS:6.2f} a layer), saved {saved:6.2f} us = "
+          f"{saved / launches:5.3f} us per PDL launch ({launches}); outputs equal {equal}, counters zero {zeros}",
+          flush=True)
+    return {"variant": name, "us_off": times[False], "us_on": times[True], "layers": LAYERS,
+            "pdl_launches": launches, "saved_us": saved, "saved_us_per_launch": saved / launches,
+            "bitwise_equal": equal, "counters_zero": zeros}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="where to write the JSON results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_pdl.py needs CUDA")
+    start = time.perf_counter()
+    with pdl_setting(True):
+        enabled = pdl_enabled(cuda_device())
+    if not enabled:
+        print("PDL is not available here (compute capability < 9.0 or the interpreter): on equals off", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = make_layers(gen)
+    launches = LAYERS * pdl_launches_per_layer()
+    rows = [bench_variant(name, make_chain(layers, gemms, gen), launches)
+            for name, gemms in (("layer", True), ("triton", False))]
+    results = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "triton": triton.__version__, "pdl_available": enabled, "rows": rows,
+               "seconds": time.perf_counter() - start}
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    if not all(r["bitwise_equal"] and r["counters_zero"] for r in rows):
+        raise SystemExit("PDL changed an output or left a ticket counter set")
+
+
+if __name__ == "__main__":
+    main()

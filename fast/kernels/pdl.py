@@ -1,0 +1,71 @@
+"""Programmatic dependent launch (PDL) for the draft's own Triton kernels, on Hopper and later.
+
+Without it, each kernel of a captured step starts only once the previous one has finished and its
+launch has gone through: the draft's ~134 kernels spend ~120 of their ~950 us in these gaps. A
+kernel launched with PDL (Triton's launch option ``launch_pdl=True``) may be launched, and its
+blocks made resident, while the previous kernel still runs; it then blocks in ``griddepcontrol.wait``
+(``gdc_wait``) until that kernel has completed and its writes are visible. So PDL saves the next
+kernel's launch and block scheduling, overlapped with the previous one's tail; no kernel's arithmetic
+changes, and the results are bitwise the same with it and without it.
+
+Measured on the H200 (perf8 call 3, bench/results/2026-12-02-h200-perf8): small. Over 8 layers of the
+35B-A3B draft's chain (bench/kernels/bench_pdl.py, 88 PDL launches) it saved 7.3 us of 540 (with the
+cuBLAS GEMMs) and 10.4 of 441 (our kernels only), 0.08-0.12 us a launch; in ``ft bench`` the draft went
+from 0.89 to 0.88 ms. Inside a CUDA graph the launches are already back to back, so there is little
+launch latency left to hide; what remains between kernels is each one's ramp and tail.
+
+The rule, in every kernel launched with :func:`launch_options`: its first statements, before any
+global load or store (weights too: reading them early would be safe, but one rule is easier to check)::
+
+    if PDL:  # a tl.constexpr parameter, pdl_enabled(device) at the launch
+        tl.extra.cuda.gdc_wait()  # the previous kernel has completed; its memory is visible
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may be launched now
+
+(a) it never reads what the previous kernel is still writing (read after write); (b) it never
+overwrites what the previous kernel still reads (write after read); (c) at most one kernel of the
+stream is past its wait at any time, so ``tickets.py``'s shared zeroed counters stay safe: the wait
+returns only on the FULL completion of the previous grid, and the trigger comes after the wait, so
+the next kernel is launched only once every block of this one has passed its own wait (the previous
+kernel is done) and itself passes its wait only once this one has completed. A kernel without PDL
+after one with it waits for its completion as usual, and that completion implies the one before.
+
+The two calls are written out in each kernel rather than in a ``@triton.jit`` helper here: a jit
+function would make this module one of ``registry.py``'s kernel modules, and PDL has no twin. They
+sit behind the constexpr so the branch is not compiled when PDL is off, and never runs in Triton's
+interpreter (which has no inline asm). ``tl.extra.cuda`` is looked up only when a kernel compiles with
+PDL on, so nothing here imports it and this module loads without Triton.
+
+``DFLASH2_PDL=0`` turns PDL off (A/B benchmarks): it is read at every call, and a launch captured into
+a CUDA graph keeps the options it was launched with, so two captures in one process can differ.
+The rest (device, Triton, the interpreter) is cached per device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .triton_compat import HAS_TRITON
+
+
+@functools.lru_cache(maxsize=None)
+def _supported(device: torch.device) -> bool:
+    """A CUDA device of compute capability >= 9.0 (griddepcontrol is sm_90+), compiled Triton kernels
+    (TRITON_INTERPRET=1 is read by ``triton.jit`` at import, so once is enough here too)."""
+    if not HAS_TRITON or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_enabled(device: torch.device | str) -> bool:
+    """Whether kernels on ``device`` launch with PDL: Hopper or later, compiled Triton, DFLASH2_PDL != 0."""
+    if os.environ.get("DFLASH2_PDL", "1") == "0":
+        return False
+    return _supported(torch.device(device))
+
+
+def launch_options(device: torch.device | str) -> dict:
+    """The launch options to splat into a kernel launch: ``{"launch_pdl": True}`` where PDL is enabled."""
+    return {"launch_pdl": True} if pdl_enabled(device) else {}
