@@ -18,6 +18,7 @@ equals the torch form's.
 
     PYTHONPATH=/tmp/pkg python3 bench/kernels/bench_gdn_verify.py --out r.json      # on the H200, < 60 s
     TRITON_INTERPRET=1 python3 bench/kernels/bench_gdn_verify.py --smoke            # CPU: the script's logic only
+    PYTHONPATH=/tmp/pkg python3 bench/kernels/bench_gdn_verify.py --tiles --out t.json  # the state-tile sweep
 """
 
 from __future__ import annotations
