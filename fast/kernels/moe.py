@@ -82,7 +82,8 @@ def default_blocks(rows: int) -> MoEBlocks:
     rows, 167.3 vs 160.8 at 16 (the atomics and the sums land in the kernel's tail). Also tried and dropped
     (perf8 call 1, bench/results/2026-12-02-h200-perf8): the split form's gate/up and down items in one
     persistent launch, down items waiting on their expert's gate/up items by a ready count (bit for bit the
-    split form): at 8 rows 97.7-141.8 vs 96.1 us, at 16 169.5-201.3 vs 161.8, at 1 row 22.4 vs 23.0. Its
+    split form): slower at 8 rows (97.7-141.8 vs 96.1 us) and at 16 (169.5-201.3 vs 161.8); at 1 row level with
+    the fused form (22.4 vs 23.0 us, within the sweep's spread: not worth a third form on the decode path). Its
     programs need 255 registers, so at most 2 fit on a multiprocessor, too few loads in flight to stream
     the weights; the split form's ~1000 short programs keep more in flight."""
     if rows == 1:
