@@ -174,6 +174,10 @@ def skinny_linear_torch(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tens
     """``x @ weight.T`` (``[M, K] x [N, K] -> [M, N]``), then with ``swiglu`` ``silu(g) * u`` of its
     gate and up halves in fp32, rounded once (``mlp.swiglu_act_torch``). In x's dtype."""
     _check(x, weight, swiglu)
+    if x.device.type == "cpu" and not x.is_contiguous():
+        # torch 2.13's CPU bf16 matmul reads past a strided row (17+ rows at K=80 gave NaN from a
+        # poisoned row padding, seen in test_skinny_linear); a copy of the few rows is cheap.
+        x = x.contiguous()
     y = x @ weight.T
     if not swiglu:
         return y
