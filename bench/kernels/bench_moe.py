@@ -144,6 +144,49 @@ def sweep(layers, gen: torch.Generator, only_rows: set[int] | None = None) -> li
     return results
 
 
+def pdl_ab(layers, gen: torch.Generator, rows_list: list[int], rounds: int = 5) -> list[dict]:
+    """PDL off / on at each row count's default blocks: one graph a variant (captured with DFLASH2_PDL set as
+    it asks), replayed in interleaved rounds (A B, A B, ...) so drift in the machine lands on both alike; the
+    median of the rounds' medians, and whether the variants' outputs are bitwise equal."""
+    import os
+
+    results = []
+    for rows in rows_list:
+        inputs = [make_inputs(rows, gen) for _ in layers]
+        args = [(x, ids, w, gu, dn) for (x, ids, w), (gu, dn) in zip(inputs, layers)]
+        distinct = sum(int(torch.unique(ids).numel()) for _, ids, _ in inputs) / len(layers)
+        floor_us = distinct * EXPERT_BYTES / NOMINAL_BW * 1e6
+        variants = {"pdl off": "0", "pdl on": "1"}
+        graphs, outs = {}, {}
+        saved = os.environ.get("DFLASH2_PDL")
+        try:
+            for name, setting in variants.items():
+                os.environ["DFLASH2_PDL"] = setting
+                blocks = default_blocks(rows)
+                captured: list[torch.Tensor] = []
+                graphs[name] = capture(lambda b=blocks, c=captured: c.__setitem__(
+                    slice(None), [moe_experts_triton(*a, blocks=b) for a in args]))
+                graphs[name].replay()
+                torch.cuda.synchronize()
+                outs[name] = [t.clone() for t in captured]
+        finally:
+            if saved is None:
+                os.environ.pop("DFLASH2_PDL", None)
+            else:
+                os.environ["DFLASH2_PDL"] = saved
+        times = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, graph in graphs.items():
+                times[name].append(do_bench(graph.replay, warmup=10, rep=40, return_mode="median") * 1e3 / len(layers))
+        first = outs["pdl off"]
+        for name in variants:
+            us = sorted(times[name])[len(times[name]) // 2]
+            results.append({"rows": rows, "variant": name, "graph_us": us, "rounds_us": times[name],
+                            "fraction_of_floor": floor_us / us, "floor_us": floor_us,
+                            "bitwise_equal_to_pdl_off": all(torch.equal(a, b) for a, b in zip(outs[name], first))})
+    return results
+
+
 def profile(layers, gen: torch.Generator) -> list[dict]:
     """GPU time per kernel (CUPTI, eager calls): what each of the two kernels costs."""
     rows_out = []
@@ -166,6 +209,8 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the block-size sweep and the profile")
     parser.add_argument("--sweep-only", default=None,
                         help="comma-separated row counts: only the sweep at those (no table, no profile)")
+    parser.add_argument("--pdl-ab", default=None,
+                        help="comma-separated row counts: only the PDL on / off A/B at those (pdl_ab)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe.py needs CUDA")
@@ -177,11 +222,15 @@ def main() -> None:
                "triton": triton.__version__, "shape": dict(C=HIDDEN, I=WIDTH, E=EXPERTS, k=TOP_K, dtype="bfloat16"),
                "layers_per_call": LAYERS, "nominal_bw": NOMINAL_BW, "copy_bw": bandwidth, "rows": []}
     only = None if args.sweep_only is None else {int(r) for r in args.sweep_only.split(",")}
+    if args.pdl_ab is not None:  # the A/B alone (with --sweep-only, that sweep too)
+        results["pdl_ab"] = pdl_ab(layers, gen, [int(r) for r in args.pdl_ab.split(",")])
+        only = only or set()
     for rows in ROWS if only is None else ():
         results["rows"].append(bench_rows(rows, layers, gen, bandwidth))
         print(f"N={rows} done at {time.perf_counter() - start:.1f} s", flush=True)
     if only is not None:
-        results["sweep"] = sweep(layers, gen, only)
+        if only:
+            results["sweep"] = sweep(layers, gen, only)
     elif not args.no_sweep:
         results["sweep"] = sweep(layers, gen)
         try:
@@ -193,6 +242,11 @@ def main() -> None:
         json.dump(results, f, indent=1)
 
     print()
+    for r in results.get("pdl_ab", []):
+        print(f"pdl_ab N={r['rows']:<4} {r['variant']:18s} {r['graph_us']:8.1f} us/layer  "
+              f"{100 * r['fraction_of_floor']:5.1f}% of floor  rounds "
+              + " ".join(f"{t:.1f}" for t in r["rounds_us"])
+              + ("" if r["bitwise_equal_to_pdl_off"] else "  BITS DIFFER"))
     for p in results.get("profile", []):
         print(f"profile N={p['rows']:<4} {p['kernel'][:40]:40s} {p['us_per_layer']:8.1f} us/layer")
     for s in results.get("sweep", []):

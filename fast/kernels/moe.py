@@ -27,6 +27,10 @@ form's programs stream 128-256 KiB each and its partials are T times smaller. It
 (one fp32 accumulation over I instead of T partial sums), within NUMERIC of the reference. On the H200
 it is the faster form from 8 to 16 rows (:func:`default_blocks`; bench/kernels/bench_moe.py sweeps both).
 
+On Hopper the kernels launch with PDL (fast/kernels/pdl.py; DFLASH2_PDL=0 turns it off, bit for bit the
+same): each launch then hides under the previous kernel's tail (bench_moe.py --pdl-ab, H200: 23.0 -> 22.4 us
+a layer at 1 row, 94.7 -> 92.8 at 8, 162.6 -> 161.3 at 16).
+
 No host sync and no data-dependent shape: the grids and buffers depend on (N, k, E, C, I) only.
 What bounds it: the weight bytes of the distinct experts chosen (memory); the partials add
 ``2 P T C x 4`` bytes and the id scans ``P x T x P`` loads from L2, which is why the model's
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .pdl import launch_options, pdl_enabled
 from .triton_compat import tl, triton
 
 MAX_TRITON_PAIRS = 2048  # (row, choice) pairs; above, the id scans grow as P^2 (bench_moe.py's N = 256 is the limit)
@@ -169,7 +174,10 @@ def _moe_expert_tile_kernel(x_ptr, ids_ptr, gate_up_ptr, down_ptr, partials_ptr,
                             C: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, NUM_TILES: tl.constexpr,
                             P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr, MAX_CHUNKS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-                            BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                            BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule (the ids are the previous kernel's)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     tile = tl.program_id(1)
     e, count, leader = _scan_expert(ids_ptr, p, num_pairs, P_PAD, PAIR_TILE)
@@ -196,8 +204,11 @@ def _moe_expert_tile_kernel(x_ptr, ids_ptr, gate_up_ptr, down_ptr, partials_ptr,
 def _moe_gate_up_kernel(x_ptr, ids_ptr, gate_up_ptr, h_ptr, num_pairs, C: tl.constexpr, I: tl.constexpr,
                         TOP_K: tl.constexpr, P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr, MAX_CHUNKS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Split form, kernel 1: ``h [P, I]`` (the down weights' dtype) for the I tile of each active expert."""
+    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule (the ids are the previous kernel's)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     tile = tl.program_id(1)
     e, count, leader = _scan_expert(ids_ptr, p, num_pairs, P_PAD, PAIR_TILE)
@@ -216,9 +227,16 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, gate_up_ptr, h_ptr, num_pairs, C: tl.con
 @triton.jit
 def _moe_down_kernel(ids_ptr, h_ptr, down_ptr, partials_ptr, num_pairs, C: tl.constexpr, I: tl.constexpr,
                      P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Split form, kernel 2: ``partials[p] [C]`` fp32 = W_down[e_p] h_p for the C tile of each active expert,
-    reducing all of I (one partial per pair: the sum kernel then adds the k choices only)."""
+    reducing all of I (one partial per pair: the sum kernel then adds the k choices only).
+
+    With PDL it scans the ids before its wait, as pdl.py's early-read rule allows (the router wrote them two
+    kernels back: the gate/up kernel, launched with PDL, triggers only after its own wait); h, the gate/up
+    kernel's output, only after. A non-leader exits without waiting (it wrote nothing). Asking L2 for the
+    weight tile there too (``prefetch.global.L2`` over the tile's lines) was measured slower on the H200 and
+    dropped (bench/results/2026-12-03-h200-perf9: 100.4 against 92.8 us a layer at 8 rows, 171.5 against
+    161.3 at 16): the hints compete with the gate/up kernel's own weight stream, which is what bounds both."""
     p = tl.program_id(0)
     tile = tl.program_id(1)
     e, count, leader = _scan_expert(ids_ptr, p, num_pairs, P_PAD, PAIR_TILE)
@@ -226,6 +244,9 @@ def _moe_down_kernel(ids_ptr, h_ptr, down_ptr, partials_ptr, num_pairs, C: tl.co
         c_offs = tile * BLOCK_C + tl.arange(0, BLOCK_C)
         in_c = c_offs < C
         down_rows = down_ptr + e * (C * I) + c_offs * I  # [BLOCK_C] row starts of W_down[e] [C, I]
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # h is the previous kernel's: visible from here on
+            tl.extra.cuda.gdc_launch_dependents()
         for chunk in range(MAX_CHUNKS):
             if chunk * BLOCK_M < count:
                 pairs, valid = _chunk_pairs(ids_ptr, e, num_pairs, count, chunk * BLOCK_M, P_PAD, PAIR_TILE, BLOCK_M)
@@ -244,7 +265,10 @@ def _moe_down_kernel(ids_ptr, h_ptr, down_ptr, partials_ptr, num_pairs, C: tl.co
 
 @triton.jit
 def _moe_sum_kernel(partials_ptr, weights_ptr, out_ptr, C: tl.constexpr, TOP_K: tl.constexpr,
-                    NUM_TILES: tl.constexpr, TILES_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
+                    NUM_TILES: tl.constexpr, TILES_PAD: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0).to(tl.int64)
     c_offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_c = c_offs < C
@@ -315,9 +339,10 @@ def moe_experts_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: 
     pairs_pad = triton.next_power_of_2(num_pairs)
     pair_tile = min(blocks.pair_tile, pairs_pad)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays fp32; tf32 is unused for bf16/fp16
+    launch = dict(PDL=pdl_enabled(x.device), **launch_options(x.device))
     scan = dict(P_PAD=pairs_pad, PAIR_TILE=pair_tile, MAX_CHUNKS=triton.cdiv(pairs_pad, blocks.block_m),
                 BLOCK_M=blocks.block_m, DOT_PRECISION=precision, num_warps=blocks.num_warps,
-                num_stages=blocks.num_stages)
+                num_stages=blocks.num_stages, **launch)
     if blocks.split:
         h = torch.empty((num_pairs, width), dtype=down.dtype, device=x.device)  # [P, I]: L2-resident between the two
         _moe_gate_up_kernel[(num_pairs, triton.cdiv(width, blocks.block_i))](
@@ -332,5 +357,5 @@ def moe_experts_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: 
             BLOCK_I=blocks.block_i, BLOCK_K=blocks.block_k, BLOCK_C=blocks.block_c, **scan)
     _moe_sum_kernel[(rows, triton.cdiv(hidden, blocks.sum_block_c))](
         partials, weights, out, C=hidden, TOP_K=top_k, NUM_TILES=num_tiles,
-        TILES_PAD=triton.next_power_of_2(num_tiles), BLOCK_C=blocks.sum_block_c)
+        TILES_PAD=triton.next_power_of_2(num_tiles), BLOCK_C=blocks.sum_block_c, **launch)
     return out

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the draft's own Triton kernels, on Hopper and later.
+"""Programmatic dependent launch (PDL) for the draft's own Triton kernels and the MoE's, on Hopper and later.
 
 Without it, each kernel of a captured step starts only once the previous one has finished and its
 launch has gone through: the draft's ~134 kernels spend ~120 of their ~950 us in these gaps. A
@@ -29,6 +29,14 @@ the next kernel is launched only once every block of this one has passed its own
 kernel is done) and itself passes its wait only once this one has completed. A kernel without PDL
 after one with it waits for its completion as usual, and that completion implies the one before.
 
+One exception, listed in :data:`EARLY_READERS` with its reason: a kernel may read, before its wait, memory
+that no kernel still running can be writing: its weights, and buffers written at least two kernels back
+when the kernel right before it was launched with PDL and triggers after its own wait (so this kernel is
+launched only once that one's predecessor has completed). It stores nothing before the wait, and the wait
+and the trigger stay together in one ``if PDL:``, so (b) and (c) hold as above. What it gains is what the
+first rule gives away: the programs launched under the previous kernel's last wave start their own loads
+under its tail. conformance/gpu/test_pdl.py checks both forms.
+
 The two calls are written out in each kernel rather than in a ``@triton.jit`` helper here: a jit
 function would make this module one of ``registry.py``'s kernel modules, and PDL has no twin. They
 sit behind the constexpr so the branch is not compiled when PDL is off, and never runs in Triton's
@@ -57,6 +65,13 @@ def _supported(device: torch.device) -> bool:
     if not HAS_TRITON or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+# "module:kernel" -> what it reads before its wait and why that is safe (the module docstring's exception)
+EARLY_READERS = {
+    "moe:_moe_down_kernel": "the expert ids (the router's, two kernels back: the gate/up kernel before it "
+                            "triggers after its own wait) to find its expert and tile, and that tile's weights",
+}
 
 
 def pdl_enabled(device: torch.device | str) -> bool:
