@@ -233,7 +233,8 @@ def _moe_down_kernel(ids_ptr, h_ptr, down_ptr, partials_ptr, num_pairs, C: tl.co
 
     With PDL it scans the ids before its wait, as pdl.py's early-read rule allows (the router wrote them two
     kernels back: the gate/up kernel, launched with PDL, triggers only after its own wait); h, the gate/up
-    kernel's output, only after. A non-leader exits without waiting (it wrote nothing). Asking L2 for the
+    kernel's output, only after. A non-leader exits without waiting (it wrote nothing); every launch has
+leaders (P > 0), and their waits keep the completion order pdl.py's rule (c) relies on. Asking L2 for the
     weight tile there too (``prefetch.global.L2`` over the tile's lines) was measured slower on the H200 and
     dropped (bench/results/2026-12-03-h200-perf9: 100.4 against 92.8 us a layer at 8 rows, 171.5 against
     161.3 at 16): the hints compete with the gate/up kernel's own weight stream, which is what bounds both."""

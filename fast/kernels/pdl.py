@@ -33,7 +33,9 @@ One exception, listed in :data:`EARLY_READERS` with its reason: a kernel may rea
 that no kernel still running can be writing: its weights, and buffers written at least two kernels back
 when the kernel right before it was launched with PDL and triggers after its own wait (so this kernel is
 launched only once that one's predecessor has completed). It stores nothing before the wait, and the wait
-and the trigger stay together in one ``if PDL:``, so (b) and (c) hold as above. What it gains is what the
+and the trigger stay together in one ``if PDL:``, so (b) and (c) hold as above. A program of it may return
+before the wait when it writes nothing (it counts as triggered); (c)'s "that completion implies the one
+before" then rests on the programs that do wait, so every launch must have one. What it gains is what the
 first rule gives away: the programs launched under the previous kernel's last wave start their own loads
 under its tail. conformance/gpu/test_pdl.py checks both forms.
 
@@ -70,7 +72,7 @@ def _supported(device: torch.device) -> bool:
 # "module:kernel" -> what it reads before its wait and why that is safe (the module docstring's exception)
 EARLY_READERS = {
     "moe:_moe_down_kernel": "the expert ids (the router's, two kernels back: the gate/up kernel before it "
-                            "triggers after its own wait) to find its expert and tile, and that tile's weights",
+                            "triggers after its own wait), to find its expert and whether it leads",
 }
 
 
