@@ -127,6 +127,33 @@ def test_the_early_rule_check_catches_a_store_before_the_wait(tmp_path):
     assert pdl_kernels(tmp_path, early) == {"early:k": True, "rogue:k": False}
 
 
+def _replays_equal_eager_with_and_without_pdl(monkeypatch, device, chain, after_replay=None) -> None:
+    """For DFLASH2_PDL = 1, then 0: ``chain()`` (a list of output tensors) eagerly, then captured in a CUDA graph
+    whose outputs are poisoned (NaN, or -1 for integers) before each of four replays; every replay must equal
+    the eager outputs bit for bit (``after_replay(setting, replay)`` may check more), and the two settings
+    must give the same bits."""
+    results = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("DFLASH2_PDL", setting)
+        assert pdl.pdl_enabled(device) == (setting == "1")
+        eager = [t.clone() for t in chain()]  # compiles this setting's variants outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = chain()
+        for replay in range(4):
+            for t in captured:
+                t.fill_(float("nan") if t.dtype.is_floating_point else -1)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(captured, eager)), f"PDL={setting}: replay {replay} != eager"
+            if after_replay is not None:
+                after_replay(setting, replay)
+        results[setting] = eager
+    assert len(results["1"]) == len(results["0"])
+    assert all(torch.equal(a, b) for a, b in zip(results["1"], results["0"])), "PDL changed the bits"
+
+
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
@@ -162,24 +189,11 @@ def test_split_k_and_conv_finish_in_a_graph_are_exact_with_pdl(monkeypatch):
         return outs
 
     counters = ticket_counters(device, MAX_COUNTERS)
-    replays = {}
-    for setting in ("1", "0"):
-        monkeypatch.setenv("DFLASH2_PDL", setting)
-        assert pdl.pdl_enabled(device) == (setting == "1")
-        eager = [t.clone() for t in chain()]  # compiles this setting's variants outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = chain()
-        for replay in range(4):
-            for t in captured:
-                t.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert all(torch.equal(a, b) for a, b in zip(captured, eager)), f"PDL={setting}: replay {replay} != eager"
-            assert int(counters.count_nonzero()) == 0, f"PDL={setting}: replay {replay} left a ticket counter set"
-        replays[setting] = [t.clone() for t in captured]
-    assert all(torch.equal(a, b) for a, b in zip(replays["1"], replays["0"])), "PDL changed the bits"
+
+    def counters_zero(setting, replay):
+        assert int(counters.count_nonzero()) == 0, f"PDL={setting}: replay {replay} left a ticket counter set"
+
+    _replays_equal_eager_with_and_without_pdl(monkeypatch, device, chain, counters_zero)
 
 
 @pytest.mark.gpu
@@ -212,20 +226,4 @@ def test_moe_sublayers_in_a_graph_are_exact_with_pdl(monkeypatch, rows):
             outs += [ids, y]
         return outs
 
-    results = {}
-    for setting in ("1", "0"):
-        monkeypatch.setenv("DFLASH2_PDL", setting)
-        eager = [t.clone() for t in chain()]
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = chain()
-        for replay in range(4):
-            for t in captured:
-                t.fill_(-1 if not t.dtype.is_floating_point else float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert all(torch.equal(a, b) for a, b in zip(captured, eager)), f"PDL={setting}: replay {replay} != eager"
-        results[setting] = eager
-    assert len(results["1"]) == len(results["0"])
-    assert all(torch.equal(a, b) for a, b in zip(results["1"], results["0"])), "PDL changed the bits"
+    _replays_equal_eager_with_and_without_pdl(monkeypatch, device, chain)
