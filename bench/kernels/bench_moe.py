@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import asdict
 
@@ -148,8 +149,6 @@ def pdl_ab(layers, gen: torch.Generator, rows_list: list[int], rounds: int = 5) 
     """PDL off / on at each row count's default blocks: one graph a variant (captured with DFLASH2_PDL set as
     it asks), replayed in interleaved rounds (A B, A B, ...) so drift in the machine lands on both alike; the
     median of the rounds' medians, and whether the variants' outputs are bitwise equal."""
-    import os
-
     results = []
     for rows in rows_list:
         inputs = [make_inputs(rows, gen) for _ in layers]
