@@ -189,7 +189,7 @@ def test_planted_bug_a_stale_counter_is_caught(impl_device, report):
     config = SkinnyConfig(block_n=16, block_k=32, split_k=3)
     want = exact(x, w, False)
     report.numeric("split/clean", skinny_linear_triton(x, w, config=config), want, NUMERIC_BOUND[torch.float32])
-    counters = tickets._COUNTERS[x.device]
+    counters = tickets.ticket_counters(x.device, 1)  # the buffer the call below uses (lane 0)
     try:
         counters[0] = 1  # one ticket already drawn: the second program to arrive takes the last one
         got = skinny_linear_triton(-1.5 * x, w, config=config)  # other values: a stale workspace cannot pass

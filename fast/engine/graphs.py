@@ -96,6 +96,7 @@ class GraphKey:
     pages: int  # page-table width P
     is_verify: bool
     sampling: object = None  # a whole step's HostSummary (which verify kernels can have work), rounded up
+    simulated: bool = False  # benchmarks only: the step's acceptance is the ``keep`` field's (runner.simulated_accept)
 
 
 class StaticInputs:

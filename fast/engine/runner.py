@@ -47,6 +47,7 @@ from .logprobs import TokenLogprob, select_rows, token_logprobs
 from .graphs import PROPOSED, GraphKey, StepGraphs, TargetGraphs, batch_view, kv_slot_mapping
 from .sampler import VerifyOutput, sample_next, sampling_tensors, verify_ragged
 from .scheduler import DecodePlan, PrefillPlan, Req
+from .side_stream import SideStream
 
 
 class Proposer(Protocol):
@@ -58,6 +59,11 @@ class Proposer(Protocol):
 
     reads_block_tables: bool  # whether propose reads block_tables (else it may be None, and a captured
     # step uploads the batch's other fields while the proposal runs: StepGraphs.split_after_propose)
+
+    # ``observe`` when it reads the target's taps alone (not the logits, the hidden rows or num_committed):
+    # ``observe_taps(batch, taps)``, else None. A captured verify step then runs it on a side stream
+    # from the last tapped layer on, beside the rest of the step (fast/engine/side_stream.py).
+    observe_taps: Callable[[ForwardBatch, Tensor], None] | None
 
     def propose(self, anchor_tokens: Tensor, anchor_positions: Tensor, slots: Tensor, block_tables: Tensor | None,
                 k: int, st: SamplingTensors) -> DraftProposal:
@@ -82,6 +88,8 @@ class ModelRunner:
         self.step_graphs = None  # whole speculative steps as CUDA graphs (when a proposer runs on CUDA)
         # a proposer that does not say reads its block tables (the safe side: no early launch)
         self.proposer_reads_tables = getattr(proposer, "reads_block_tables", True)
+        self.observe_taps = getattr(proposer, "observe_taps", None)  # the safe side again: observe at the end
+        self.side = SideStream(device)
         if graphs is not None and proposer is not None:
             self.step_graphs = StepGraphs(pools, self.verify_step_fn, max_seqs=graphs.max_seqs,
                                           max_pages=graphs.max_pages,
@@ -261,7 +269,7 @@ class ModelRunner:
         if self.simulated_accept is not None and k:
             result = self._simulated(draft_tokens, num_drafts)
         num_committed = result.num_accepted + 1
-        commit_verify(self.pools, batch, num_committed)
+        commit_verify(self.pools, batch, num_committed, out.meta)
         self.proposer.observe(batch, out, num_committed)
         accepted, emitted = result.num_accepted.tolist(), result.emitted.tolist()
         if top_logprobs is not None:  # the committed tokens sit at rows 0..num_accepted of each request
@@ -291,8 +299,9 @@ class ModelRunner:
         if key is None:
             return None
         params = [r.params for r in reqs]
-        key = replace(key, sampling=graph_summary(params))
-        keep = self.simulated_accept() if self.simulated_accept is not None else -1
+        simulated = self.simulated_accept is not None  # a serving step's graph has no keep merge (GraphKey)
+        key = replace(key, sampling=graph_summary(params), simulated=simulated)
+        keep = self.simulated_accept() if simulated else -1
         results = self.step_graphs.run(key, anchors=anchors, slots=[r.slot for r in reqs],
                                        tables=[r.pages for r in reqs], anchor_tokens=[r.output_ids[-1] for r in reqs],
                                        params=params, keep=keep)  # per request [num_accepted, *emitted]
@@ -301,7 +310,12 @@ class ModelRunner:
     def verify_step_fn(self, views: dict[str, Tensor], key: GraphKey) -> tuple[Tensor, Tensor]:
         """One speculative step over the static fields of ``key`` (captured by ``StepGraphs``):
         propose k drafts, run the target over [anchor, drafts], verify, commit the GDN state, observe.
-        ``views["keep"] >= 0`` (benchmarks only) replaces the verify's acceptance by that many drafts."""
+        With ``key.simulated`` (benchmarks only), ``views["keep"] >= 0`` replaces the verify's acceptance by that
+        many drafts; a serving step's graph has no such merge.
+
+        A proposer with ``observe_taps`` observes on the side stream from the target's last tapped layer
+        on (fast/engine/side_stream.py), joined at the end: the same values as observing after the commit
+        (its inputs are the taps and the batch, its outputs the proposer's own state, read next step)."""
         b, rows = key.num_seqs, key.rows_per_seq
         k = rows - 1
         st = SamplingTensors(views["temperature"], views["top_k"], views["top_p"], views["seeds"], key.sampling)
@@ -312,17 +326,31 @@ class ModelRunner:
         graph_cut(PROPOSED)  # the capture goes on in a new graph at each stage (fast/model/capture.py)
         token_ids = torch.cat([anchor_tokens[:, None], proposal.tokens], dim=1).reshape(-1)
         batch = batch_view(views, key, token_ids)
-        out = self.target.forward(batch, self.pools)
-        graph_cut()
+        early = self.observe_taps
+        on_taps = None if early is None else (lambda taps: self.side.fork(lambda: early(batch, taps)))
+        try:
+            out = self.target.forward(batch, self.pools, on_taps=on_taps)
+            num_accepted, emitted = self._verify_and_commit(out, batch, proposal, views, st, anchors, key)
+            if early is None:
+                self.proposer.observe(batch, out, num_accepted + 1)
+        finally:
+            self.side.join()  # before out (the taps) can be freed; also on an error, so no fork stays open
+        return num_accepted, emitted
+
+    def _verify_and_commit(self, out, batch: ForwardBatch, proposal: DraftProposal, views: dict[str, Tensor],
+                           st: SamplingTensors, anchors: Tensor, key: GraphKey) -> tuple[Tensor, Tensor]:
+        """The verify of a captured step's target output, and the GDN commit: ``(num_accepted, emitted)``."""
+        b, rows = key.num_seqs, key.rows_per_seq
+        k = rows - 1
         logits = out.logits.view(b, rows, -1)
         result = verify_ragged(logits, proposal.tokens, proposal.cand_ids, proposal.draft_probs, [k] * b, st, anchors)
-        keep = views["keep"]
-        num_accepted = torch.where(keep >= 0, keep.clamp(max=k), result.num_accepted)
-        emitted = torch.where((keep >= 0)[:, None], torch.cat([proposal.tokens, proposal.tokens[:, :1]], dim=1),
-                              result.emitted)
-        num_committed = num_accepted + 1
-        commit_verify(self.pools, batch, num_committed)
-        self.proposer.observe(batch, out, num_committed)
+        num_accepted, emitted = result.num_accepted, result.emitted
+        if key.simulated:  # benchmarks only (GraphKey.simulated): keep[b] >= 0 drafts replace the verify's
+            keep = views["keep"]
+            num_accepted = torch.where(keep >= 0, keep.clamp(max=k), num_accepted)
+            emitted = torch.where((keep >= 0)[:, None], torch.cat([proposal.tokens, proposal.tokens[:, :1]], dim=1),
+                                  emitted)
+        commit_verify(self.pools, batch, num_accepted + 1, out.meta)
         return num_accepted, emitted
 
     def _simulated(self, draft_tokens: Tensor, num_drafts: Sequence[int]) -> VerifyOutput:
@@ -351,7 +379,10 @@ class DFlashDrafter:
         self.proposer = proposer
 
     def observe(self, batch: ForwardBatch, out, num_committed: Tensor | None) -> None:
-        self.proposer.observe_batch(batch, out.taps)  # every row; rejected ones are never read
+        self.observe_taps(batch, out.taps)
+
+    def observe_taps(self, batch: ForwardBatch, taps: Tensor) -> None:
+        self.proposer.observe_batch(batch, taps)  # every row, acceptance unknown; rejected ones are never read
 
     def propose(self, anchor_tokens: Tensor, anchor_positions: Tensor, slots: Tensor, block_tables: Tensor, k: int,
                 st: SamplingTensors):
@@ -363,6 +394,7 @@ class MTPDrafter:
     """``FastMTPProposer`` under the runner's :class:`Proposer` interface (argmax drafts: q one-hot)."""
 
     reads_block_tables = True  # the MTP layer attends over paged K/V
+    observe_taps = None  # its observe reads the hidden rows and num_committed
 
     def __init__(self, proposer):
         self.proposer = proposer

@@ -13,6 +13,10 @@ returns, and the longer graphs behind it launch while it runs.
 
 The model marks where a cut may go (:func:`graph_cut`, e.g. between layers); only a capture that
 installs a cutter (:func:`cutting`) acts on it. Eager steps and CPU runs see a no-op.
+
+Work forked onto a side stream (``fast/engine/side_stream.py``) must be joined inside the graph it
+began in: a fork registers its join with :func:`join_before_cut`, and the next cut of a capture runs
+it first. Outside a capture the join is the forker's.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ LAYER_GROUPS = 4  # long graphs a captured target forward is cut into (0.57 ms o
 EARLY_CUTS = (1, 3)  # and short ones first: layer 0, then layers 1-2
 
 _cut: Callable[[str | None], None] | None = None
+_joins: list[Callable[[], None]] = []  # side-stream joins due before the capture's next cut
 
 
 def layer_cuts(num_layers: int, groups: int = LAYER_GROUPS) -> frozenset[int]:
@@ -37,7 +42,16 @@ def graph_cut(mark: str | None = None) -> None:
     """A point where a capture in progress may end its graph and begin the next; a no-op otherwise.
     ``mark`` names the point, so a replay can stop there and go on later (``CapturedStep.marks``)."""
     if _cut is not None:
+        while _joins:
+            _joins.pop()()
         _cut(mark)
+
+
+def join_before_cut(join: Callable[[], None]) -> None:
+    """Inside a capture, have the next :func:`graph_cut` call ``join`` before it ends the graph (a no-op
+    outside one, where nothing is cut). ``join`` must be safe to call again (its owner joins at its end too)."""
+    if _cut is not None:
+        _joins.append(join)
 
 
 @contextmanager
@@ -45,7 +59,10 @@ def cutting(cut: Callable[[str | None], None]) -> Iterator[None]:
     """Within the block, :func:`graph_cut` calls ``cut`` with its mark."""
     global _cut
     previous, _cut = _cut, cut
+    outer_joins = _joins[:]
+    _joins.clear()
     try:
         yield
     finally:
         _cut = previous
+        _joins[:] = outer_joins  # joins no cut came to are their owners' (each joins at the end of its work)

@@ -40,6 +40,8 @@ the output into NaN).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
@@ -49,6 +51,9 @@ from ..kernels.gdn_commit import commit_verify_torch, commit_verify_triton
 from ..kernels.gdn_recurrent import VerifyRowInputs
 from ..kernels.triton_compat import use_triton
 from .batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from .step import StepMeta
 
 
 def kv_bytes_per_token(cfg: TargetConfig, dtype: torch.dtype, mtp: bool) -> int:
@@ -217,7 +222,8 @@ def zero_state_mask(batch: ForwardBatch) -> Tensor:
     return starts_at_zero | (batch.state_slots < 0)
 
 
-def commit_verify(pools: CachePools, batch: ForwardBatch, num_rows_kept: Tensor) -> None:
+def commit_verify(pools: CachePools, batch: ForwardBatch, num_rows_kept: Tensor,
+                  meta: StepMeta | None = None) -> None:
     """Install, per sequence, the GDN state after its row ``num_rows_kept[b] - 1`` of the verify ``batch``.
 
     ``batch`` is the verify batch the forward ran (same sequence order); ``num_rows_kept [B]`` is
@@ -225,10 +231,15 @@ def commit_verify(pools: CachePools, batch: ForwardBatch, num_rows_kept: Tensor)
     The recurrent state is replayed from the slot over the kept rows' stored inputs, the conv state
     shifted in from the stored conv inputs. K/V needs no rollback: rows past ``context_lens`` are
     never read and get overwritten. Every GDN layer at once (fast/kernels/gdn_commit.py): one kernel
-    on CUDA, the torch form elsewhere.
+    on CUDA, the torch form elsewhere. ``meta``, the forward's ``StepMeta`` of ``batch`` (its output's
+    ``meta``), saves recomputing the slots and the zero-state mask (a captured step's small kernels).
     """
     kept = num_rows_kept.to(pools.device)  # [B] integer (the kernel reads any; the torch form makes it long)
     stack = pools.gdn_stack
     tensors = (stack.conv_storage, stack.recurrent_storage, stack.verify_conv_inputs)
     commit = commit_verify_triton if use_triton(*tensors, *stack.verify_rows) else commit_verify_torch
-    commit(*tensors, stack.verify_rows, pools.state_index(batch.state_slots), zero_state_mask(batch), kept)
+    if meta is None:
+        state_index, zero_state = pools.state_index(batch.state_slots), zero_state_mask(batch)
+    else:
+        state_index, zero_state = meta.state_index, meta.zero_state
+    commit(*tensors, stack.verify_rows, state_index, zero_state, kept)

@@ -20,7 +20,7 @@ host launches the next while the GPU runs the last (fast/model/capture.py); eage
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +43,7 @@ class FastOutput:
     logits: Tensor  # [M, V] fp32, for batch.logits_rows
     hidden: Tensor  # [N, C] after the final norm (what the LM head and the MTP head read)
     taps: Tensor  # [N, len(tap_layers) * C] residual after each tapped layer, in tap order
+    meta: StepMeta | None = None  # the step's layout as the forward derived it (the verify commit reuses it)
 
 
 class FastTarget:
@@ -63,8 +64,15 @@ class FastTarget:
         self.layers = [FastDecoderLayer(cfg, params, f"layers.{i}.", kind, ops)
                        for i, kind in enumerate(cfg.layer_types)]
 
-    def forward(self, batch: ForwardBatch, pools: CachePools) -> FastOutput:
-        """One step over ``batch`` (tensors on the model's device); updates ``pools`` in place."""
+    def forward(self, batch: ForwardBatch, pools: CachePools,
+                on_taps: Callable[[Tensor], None] | None = None) -> FastOutput:
+        """One step over ``batch`` (tensors on the model's device); updates ``pools`` in place.
+
+        ``on_taps``, if given, is called with the taps ``[N, len(tap_layers) * C]`` once the last tapped
+        layer has written them, before the layers after it run (a verify step forks its observe there,
+        ``fast/engine/side_stream.py``); the same tensor is the output's ``taps``."""
+        if on_taps is not None and not self.tap_layers:
+            raise ValueError("on_taps given to a target with no tap_layers: it would never be called")
         meta = StepMeta.build(batch, pools)
         hidden_size = self.cfg.hidden_size
         x = self.embed[batch.token_ids]  # [N, C]
@@ -81,6 +89,8 @@ class FastTarget:
                 for j, tapped in enumerate(self.tap_layers):
                     if tapped == i:
                         taps[:, j * hidden_size:(j + 1) * hidden_size] = x
+                if on_taps is not None and i == max(self.tap_layers):
+                    on_taps(taps)
         _, hidden = add_rms_norm(x, pending, self.final_scale, self.cfg.rms_norm_eps, self.dtype)  # [N, C]
         logits = (hidden[batch.logits_rows] @ self.lm_head.T).float()  # [M, V]
-        return FastOutput(logits=logits, hidden=hidden, taps=taps)
+        return FastOutput(logits=logits, hidden=hidden, taps=taps, meta=meta)

@@ -50,7 +50,8 @@ class FastDFlashProposer:
                              cfg.head_dim, **common)
         self.window = WindowPool(num_slots, cfg.sliding_window, cfg.hidden_size, **common)
         p = "candidate_selector."
-        self.hidden_projection = draft.w[f"{p}hidden_projection.weight"]  # [r, C]
+        # [r, C] in fp32 once: the walk's g = h P^T runs in fp32, so a draft-dtype P would be converted every step
+        self.hidden_projection = draft.w[f"{p}hidden_projection.weight"].float()
         self.predecessor_codebook = draft.w[f"{p}predecessor_codebook"]  # [V, r]
         self.successor_codebook = draft.w[f"{p}successor_codebook"]  # [V, r]
 

@@ -73,6 +73,26 @@ def report(label: str, fn, listed: int) -> dict:
             "ordered": [{"name": n, "us": d} for n, d in kernels]}
 
 
+def side_stream_ab(llm, prompt: list[int], key, step_on, rounds: int) -> dict:
+    """The captured step ``step_on`` (side stream on) against the same step captured with it off, replayed
+    in interleaved rounds; prints and returns each variant's per-round medians (us)."""
+    runner = llm.engine.runner
+    runner.side.stream = None  # fork then runs the observe in the step's own stream, where it forks
+    runner.step_graphs.graphs.clear()
+    llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    step_off = runner.step_graphs.graphs.get(key)
+    if step_off is None:
+        sys.exit(f"the side-stream-off capture has no graph for {key}")
+    times = {"side stream on": [], "side stream off": []}
+    for _ in range(rounds):
+        for name, step in (("side stream on", step_on), ("side stream off", step_off)):
+            times[name].append(1e6 * cuda_time(step.replay, reps=20))
+    print(f"\n== side stream A/B, {rounds} interleaved rounds of 20 replays (us, median of each round)")
+    for name, values in times.items():
+        print(f"  {name:16s} median {sorted(values)[len(values) // 2]:8.1f}  rounds " + " ".join(f"{v:.1f}" for v in values))
+    return {"label": "side stream A/B", "rounds_us": times}
+
+
 def host_profile(llm, prompt: list[int], tokens: int) -> None:
     """Where the host's time goes in a generate of ``tokens`` tokens (cProfile; a device wait shows as
     the time of the call that synchronises, e.g. ``tolist``), and the runner's step times."""
@@ -238,6 +258,8 @@ def main() -> int:
     p.add_argument("--host-profile", type=int, default=0, help="also cProfile a generate of this many tokens")
     p.add_argument("--timeline", type=int, default=0, help="also split the steps of a generate of this many tokens")
     p.add_argument("--host-split", type=int, default=0, help="also time the host's parts of such steps")
+    p.add_argument("--ab-side-stream", type=int, default=0, help="also time the step with the side stream off, "
+                   "in this many interleaved rounds")
     args = p.parse_args()
     algorithm, k = SETTINGS[args.setting]
     llm = LLM(args.model, max_running_req=1, load_format="dummy", seed=0, speculative_algorithm=algorithm,
@@ -272,6 +294,8 @@ def main() -> int:
         timeline(llm, prompt, args.timeline, "decode" if algorithm == "none" else "verify")
     if args.host_split:
         host_split(llm, prompt, args.host_split, "decode" if algorithm == "none" else "verify")
+    if args.ab_side_stream and algorithm != "none":  # last: it leaves the side stream off
+        results.append(side_stream_ab(llm, prompt, key, step, args.ab_side_stream))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f)
