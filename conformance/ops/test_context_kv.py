@@ -32,7 +32,8 @@ import pytest
 import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.context_kv import context_k_norm_rope_torch, context_k_norm_rope_triton, rope_inv_freq
+from dflash2.fast.kernels.context_kv import context_k_norm_rope_torch, context_k_norm_rope_triton
+from dflash2.fast.model.rope import rope_inv_freq
 from dflash2.fast.model.norm import rms_norm
 from dflash2.fast.model.rope import apply_rope, rope_cos_sin
 from dflash2.reference.model.draft import ReferenceDraft

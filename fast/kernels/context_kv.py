@@ -15,7 +15,7 @@ both returned contiguous ``[L, N, Hkv, D]``, the layout ``RingPool.write`` takes
 
 ``inv_freq`` is computed once per (D, theta, device) on the host, as the reference and the CPU torch
 form compute it (``arange(0, D, 2) / D``, ``theta ** .``, ``1 / .`` in fp32), and kept on the device
-(:func:`rope_inv_freq`, which ``FastDraft`` calls once at load and passes in): the angles are then the
+(``fast/model/rope.rope_inv_freq``, which ``FastDraft`` calls once at load and passes in): the angles are then the
 same fp32 products, bit for bit, on every device and in both forms. (A GPU's pow can round an inv_freq an ulp apart from the host's; at large p that turns
 the angle by more than the fp32 tolerance allows, see conformance/ops/test_attention_prologue.py.)
 
@@ -50,13 +50,6 @@ from ..model.norm import rms_norm
 from ..model.rope import apply_rope
 from .triton_compat import tl, triton, use_triton
 
-def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str) -> Tensor:
-    """fp32 ``[D/2]`` ``1 / theta^(2i/D)``, computed on the host (the reference's bits), then moved to ``device``.
-    The caller keeps it (``FastDraft`` builds it once at load), so no step uploads it (nor a graph capture)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-    return (1.0 / (theta ** exponents)).to(device)
-
-
 def _check(kv: Tensor, k_norms: Tensor, positions: Tensor, inv_freq: Tensor) -> None:
     """Refuse bad shapes: kv ``[N, L, 2, Hkv, D]`` (D even, unit last stride), k_norms fp32 ``[L, D]``,
     positions integer ``[N]``, all on one device."""
@@ -83,7 +76,7 @@ def _check(kv: Tensor, k_norms: Tensor, positions: Tensor, inv_freq: Tensor) -> 
 def context_k_norm_rope_torch(kv: Tensor, k_norms: Tensor, positions: Tensor, eps: float,
                               inv_freq: Tensor) -> tuple[Tensor, Tensor]:
     """kv ``[N, L, 2, Hkv, D]`` (the context GEMM's output in the draft dtype), k_norms fp32 ``[L, D]``,
-    positions ``[N]``, inv_freq fp32 ``[D/2]`` (:func:`rope_inv_freq`). Returns (k, v), each contiguous
+    positions ``[N]``, inv_freq fp32 ``[D/2]`` (``fast/model/rope.rope_inv_freq``). Returns (k, v), each contiguous
     ``[L, N, Hkv, D]`` in kv's dtype."""
     _check(kv, k_norms, positions, inv_freq)
     rows, layers, _, kv_heads, dim = kv.shape

@@ -63,14 +63,14 @@ from torch import Tensor
 
 from dflash2.reference.formats.draft_config import DraftConfig
 
-from ..kernels.context_kv import context_k_norm_rope, rope_inv_freq
+from ..kernels.context_kv import context_k_norm_rope
 from ..kernels.conv_finish_norm import conv_finish_norm
 from ..kernels.dynamic_conv import grouped_dynamic_conv
 from ..kernels.ring_attention import ring_attention
 from ..kernels.skinny_linear import skinny_linear
 from .capture import graph_cut, layer_cuts
 from .norm import add_rms_norm
-from .rope import draft_qk_norm_rope, rope_cos_sin
+from .rope import draft_qk_norm_rope, inv_freq, rope_cos_sin
 
 if TYPE_CHECKING:
     from dflash2.fast.speculative.ring_pool import RingPool
@@ -150,7 +150,8 @@ class FastDraft:
         # forward_blocks' per-call constants: the row offsets 0..S-1 and which row holds the anchor token
         self.block_offsets = torch.arange(cfg.block_size, device=self.device)  # [S]
         self.anchor_rows = self.block_offsets == 0  # [S] bool
-        self.context_inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, self.device)  # [D/2] fp32, host-computed
+        self.context_inv_freq = inv_freq(cfg.head_dim, cfg.rope_theta, self.device)  # [D/2] fp32, host-computed; the
+        # block side's rope_cos_sin reads the same kept tensor
         self.k_norms = torch.stack([self.norms[f"layers.{layer}.self_attn.k_norm.weight"] for layer in layers])
         # gate and up of every layer as one [2I, C] matrix (gate rows first); the per-name entries become views
         self.gate_up = []

@@ -17,6 +17,8 @@ rotation, weights as stored), returned in the draft dtype.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -25,11 +27,33 @@ from ..kernels.triton_compat import use_triton
 from .norm import rms_norm
 
 
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str) -> Tensor:
+    """fp32 ``[D/2]`` ``1 / theta^(2i/D)``, computed on the host (the reference's bits), then moved to ``device``.
+    The caller keeps it (``FastDraft`` builds it once at load), so no step uploads it (nor a graph capture)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    return (1.0 / (theta ** exponents)).to(device)
+
+
+def inv_freq(rotary_dim: int, theta: float, device: torch.device | str) -> Tensor:
+    """fp32 ``[rd/2]`` ``f_i = theta^(-2i/rd)`` on ``device``: computed once on the host (the reference's bits,
+    :func:`rope_inv_freq`) and kept, so a step's cos/sin cost one multiply and the two functions rather
+    than six more kernels. The models ask for theirs at load (``FastTarget``, ``FastDraft``): a first call
+    inside a CUDA-graph capture would copy from the host there."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # the key a tensor's .device gives
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _inv_freq(rotary_dim, float(theta), device)
+
+
+@functools.lru_cache(maxsize=None)
+def _inv_freq(rotary_dim: int, theta: float, device: torch.device) -> Tensor:
+    return rope_inv_freq(rotary_dim, theta, device)
+
+
 def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float) -> tuple[Tensor, Tensor]:
     """cos and sin of ``p * f_i`` for each row: fp32 ``[N, rd/2]`` each."""
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim
-    inv_freq = 1.0 / (theta ** exponents)  # [rd/2]
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, rd/2]
+    freq = inv_freq(rotary_dim, theta, positions.device)  # [rd/2]
+    angles = positions.to(torch.float32)[:, None] * freq[None, :]  # [N, rd/2]
     return angles.cos(), angles.sin()
 
 

@@ -35,6 +35,7 @@ from .norm import add_rms_norm, zero_centred_scale
 from .ops import DEFAULT_OPS, ModelOps
 from .params import Params
 from .pools import CachePools
+from .rope import inv_freq
 from .step import StepMeta
 
 
@@ -61,6 +62,7 @@ class FastTarget:
         self.embed = params.get("embed_tokens.weight")  # [V, C]
         self.lm_head = params.get("lm_head.weight")  # [V, C] (the embedding itself when tied)
         self.final_scale = zero_centred_scale(params.get("norm.weight", torch.float32))  # [C]
+        inv_freq(cfg.rotary_dim, cfg.rope_theta, self.device)  # every step's RoPE reads it: made here, not in a capture
         self.layers = [FastDecoderLayer(cfg, params, f"layers.{i}.", kind, ops)
                        for i, kind in enumerate(cfg.layer_types)]
 
