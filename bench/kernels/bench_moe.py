@@ -189,7 +189,7 @@ def pdl_ab(layers, gen: torch.Generator, rows_list: list[int], rounds: int = 5) 
 def profile(layers, gen: torch.Generator) -> list[dict]:
     """GPU time per kernel (CUPTI, eager calls): what each of the two kernels costs."""
     rows_out = []
-    for rows in (1, 16, 128):
+    for rows in (1, 8, 16, 128):
         args = [(*make_inputs(rows, gen), gu, dn) for gu, dn in layers]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for a in args:
@@ -208,6 +208,7 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the block-size sweep and the profile")
     parser.add_argument("--sweep-only", default=None,
                         help="comma-separated row counts: only the sweep at those (no table, no profile)")
+    parser.add_argument("--profile-only", action="store_true", help="only the per-kernel profile (profile)")
     parser.add_argument("--pdl-ab", default=None,
                         help="comma-separated row counts: only the PDL on / off A/B at those (pdl_ab)")
     args = parser.parse_args()
@@ -221,6 +222,9 @@ def main() -> None:
                "triton": triton.__version__, "shape": dict(C=HIDDEN, I=WIDTH, E=EXPERTS, k=TOP_K, dtype="bfloat16"),
                "layers_per_call": LAYERS, "nominal_bw": NOMINAL_BW, "copy_bw": bandwidth, "rows": []}
     only = None if args.sweep_only is None else {int(r) for r in args.sweep_only.split(",")}
+    if args.profile_only:
+        results["profile"] = profile(layers, gen)
+        only = set()
     if args.pdl_ab is not None:  # the A/B alone (with --sweep-only, that sweep too)
         results["pdl_ab"] = pdl_ab(layers, gen, [int(r) for r in args.pdl_ab.split(",")])
         only = only or set()
