@@ -15,8 +15,8 @@ a ticket counter: the side stream's kernels draw from ``tickets`` lane 1. The si
 higher priority, meant to let its few-program kernels take multiprocessors as they free up rather than queue
 behind the LM head's waves (whether a captured graph keeps the priority was not measured). On the H200 the
 captured MoE DFlash step replays 81 us faster with it than with the observe in place (7269 against 7350 us,
-bench/results/2026-12-03-h200-perf10/). Both orders compute the same values: the observe's inputs are written before the fork,
-its outputs read after the join. On a CPU device, or with ``DFLASH2_SIDE_STREAM=0`` (for A/B timing and
+bench/results/2026-12-03-h200-perf10/). Both orders compute the same values: the observe's inputs are
+written before the fork, its outputs read after the join. On a CPU device, or with ``DFLASH2_SIDE_STREAM=0`` (for A/B timing and
 debugging), ``fork`` runs the work at once on the step's own stream, at the fork's place in the step.
 
 A fork is joined inside the graph it began in: if a capture cuts the step into a new graph before the

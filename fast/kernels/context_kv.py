@@ -15,9 +15,10 @@ both returned contiguous ``[L, N, Hkv, D]``, the layout ``RingPool.write`` takes
 
 ``inv_freq`` is computed once per (D, theta, device) on the host, as the reference and the CPU torch
 form compute it (``arange(0, D, 2) / D``, ``theta ** .``, ``1 / .`` in fp32), and kept on the device
-(``fast/model/rope.rope_inv_freq``, which ``FastDraft`` calls once at load and passes in): the angles are then the
-same fp32 products, bit for bit, on every device and in both forms. (A GPU's pow can round an inv_freq an ulp apart from the host's; at large p that turns
-the angle by more than the fp32 tolerance allows, see conformance/ops/test_attention_prologue.py.)
+(``fast/model/rope.rope_inv_freq``, which ``FastDraft`` calls once at load and passes in): the angles
+are then the same fp32 products, bit for bit, on every device and in both forms. (A GPU's pow can round
+an inv_freq an ulp apart from the host's; at large p that turns the angle by more than the fp32
+tolerance allows, see conformance/ops/test_attention_prologue.py.)
 
 :func:`context_k_norm_rope_torch` is the composition ``FastDraft.context_kv`` ran before this kernel,
 op for op (``fast/model/norm.rms_norm`` in fp32, ``fast/model/rope.apply_rope``, one cast, two

@@ -29,7 +29,7 @@ from .norm import rms_norm
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str) -> Tensor:
     """fp32 ``[D/2]`` ``1 / theta^(2i/D)``, computed on the host (the reference's bits), then moved to ``device``.
-    The caller keeps it (``FastDraft`` builds it once at load), so no step uploads it (nor a graph capture)."""
+    :func:`inv_freq` keeps one per (D, theta, device), so no step uploads it (nor a graph capture)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
     return (1.0 / (theta ** exponents)).to(device)
 
@@ -37,8 +37,8 @@ def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str) -> Te
 def inv_freq(rotary_dim: int, theta: float, device: torch.device | str) -> Tensor:
     """fp32 ``[rd/2]`` ``f_i = theta^(-2i/rd)`` on ``device``: computed once on the host (the reference's bits,
     :func:`rope_inv_freq`) and kept, so a step's cos/sin cost one multiply and the two functions rather
-    than six more kernels. The models ask for theirs at load (``FastTarget``, ``FastDraft``): a first call
-    inside a CUDA-graph capture would copy from the host there."""
+    than four more kernels (arange, divide, pow, reciprocal). The models ask for theirs at load
+    (``FastTarget``, ``FastDraft``): a first call inside a CUDA-graph capture would copy from the host there."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # the key a tensor's .device gives
         device = torch.device("cuda", torch.cuda.current_device())

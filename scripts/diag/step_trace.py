@@ -89,7 +89,8 @@ def side_stream_ab(llm, prompt: list[int], key, step_on, rounds: int) -> dict:
             times[name].append(1e6 * cuda_time(step.replay, reps=20))
     print(f"\n== side stream A/B, {rounds} interleaved rounds of 20 replays (us, median of each round)")
     for name, values in times.items():
-        print(f"  {name:16s} median {sorted(values)[len(values) // 2]:8.1f}  rounds " + " ".join(f"{v:.1f}" for v in values))
+        rounds_text = " ".join(f"{v:.1f}" for v in values)
+        print(f"  {name:16s} median {sorted(values)[len(values) // 2]:8.1f}  rounds {rounds_text}")
     return {"label": "side stream A/B", "rounds_us": times}
 
 

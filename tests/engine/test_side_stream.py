@@ -73,7 +73,8 @@ def test_the_captured_dflash_step_observes_before_the_verify_and_the_commit(tmp_
     events = []
     for name in ("commit_verify", "verify_ragged"):
         fn = getattr(runner_module, name)
-        monkeypatch.setattr(runner_module, name, lambda *a, _fn=fn, _name=name, **kw: events.append(_name) or _fn(*a, **kw))
+        monkeypatch.setattr(runner_module, name,
+                            lambda *a, _fn=fn, _name=name, **kw: events.append(_name) or _fn(*a, **kw))
     tokens = {}
     for static in (True, False):
         llm = LLM(target, dtype=torch.float32, speculative_algorithm="dflash", speculative_num_steps=3,
