@@ -59,6 +59,7 @@ class FastTarget:
         self.cfg, self.dtype, self.device = cfg, dtype, params.device
         self.ops = ops
         self.tap_layers = tuple(tap_layers)
+        self.last_tap = max(self.tap_layers, default=-1)  # where forward's on_taps fires
         self.embed = params.get("embed_tokens.weight")  # [V, C]
         self.lm_head = params.get("lm_head.weight")  # [V, C] (the embedding itself when tied)
         self.final_scale = zero_centred_scale(params.get("norm.weight", torch.float32))  # [C]
@@ -91,7 +92,7 @@ class FastTarget:
                 for j, tapped in enumerate(self.tap_layers):
                     if tapped == i:
                         taps[:, j * hidden_size:(j + 1) * hidden_size] = x
-                if on_taps is not None and i == max(self.tap_layers):
+                if on_taps is not None and i == self.last_tap:
                     on_taps(taps)
         _, hidden = add_rms_norm(x, pending, self.final_scale, self.cfg.rms_norm_eps, self.dtype)  # [N, C]
         logits = (hidden[batch.logits_rows] @ self.lm_head.T).float()  # [M, V]
