@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash2.fast.engine.graphs import (PROPOSED, REQUEST_FLOAT_FIELDS, REQUEST_INT_FIELDS, GraphKey,
-                                        StepGraphs)
+from dflash2.fast.engine.graphs import (EARLY_REQUEST_FIELDS, PROPOSED, REQUEST_FLOAT_FIELDS, REQUEST_INT_FIELDS,
+                                        GraphKey, StepGraphs, advance_early_fields)
 from dflash2.reference.request.sampling_params import SamplingParams
 
 KEY = GraphKey(num_seqs=2, rows_per_seq=3, pages=2, is_verify=True)
@@ -27,7 +27,7 @@ class RecordingStep:
     the device fields each replay saw."""
 
     def __init__(self, inputs, log):
-        self.inputs, self.log, self.marks = inputs, log, {PROPOSED: 1}
+        self.inputs, self.log, self.marks, self.replays = inputs, log, {PROPOSED: 1}, 0
         upload = inputs.upload
 
         def recording_upload(part="all"):
@@ -36,6 +36,7 @@ class RecordingStep:
         inputs.upload = recording_upload
 
     def replay(self, start=None, stop=None):
+        self.replays += 1
         seen = {name: self.inputs.views[name].clone() for name in ("anchors", "block_tables")}
         self.log.append(("replay", start, stop, seen))
         return torch.zeros(KEY.num_seqs, 1 + KEY.rows_per_seq, dtype=torch.long)
@@ -44,7 +45,7 @@ class RecordingStep:
 def run_once(split_after_propose: bool):
     graphs = StepGraphs(SimpleNamespace(device=torch.device("cpu"), page_size=8), step_fn=None,
                         max_seqs=4, max_pages=2, split_after_propose=split_after_propose)
-    early = (*REQUEST_INT_FIELDS, *REQUEST_FLOAT_FIELDS, "state_slots") if split_after_propose else ()
+    early = (*EARLY_REQUEST_FIELDS, "state_slots") if split_after_propose else ()
     inputs = graphs._padding(KEY, {name: KEY.num_seqs for name in REQUEST_INT_FIELDS},
                              {name: KEY.num_seqs for name in REQUEST_FLOAT_FIELDS}, early=early)
     log: list = []
@@ -74,3 +75,73 @@ def test_dflash_launches_its_proposal_before_the_batch_upload():
     log = run_once(split_after_propose=True)
     assert [entry[:3] for entry in log] == [("upload", "early"), ("replay", None, PROPOSED), ("upload", "late"),
                                             ("replay", PROPOSED, None)]
+
+
+class DeviceLikeStep(RecordingStep):
+    """A split step that does what the captured one does to its fields: the proposal (up to PROPOSED) records
+    the anchors and anchor tokens it reads; the rest returns ``[num_accepted, *emitted]`` (request b accepts
+    ``accept[b]`` drafts, emits tokens 100 * step + b + i) and advances the early fields."""
+
+    def __init__(self, inputs, log, accept):
+        super().__init__(inputs, log)
+        self.accept, self.step = accept, 0
+
+    def replay(self, start=None, stop=None):
+        views = self.inputs.views
+        self.replays += 1
+        if start is None:  # the proposal
+            self.log.append(("proposal", views["anchors"].tolist(), views["anchor_tokens"].tolist()))
+        if stop is None:  # the rest of the step
+            b, r = KEY.num_seqs, KEY.rows_per_seq
+            num_accepted = torch.tensor(self.accept, dtype=torch.long)
+            emitted = 100 * self.step + torch.arange(b)[:, None] * 10 + torch.arange(r)[None, :]
+            self.step += 1
+            advance_early_fields(views, num_accepted, emitted)
+            return torch.cat([num_accepted[:, None], emitted], dim=1)
+
+
+def test_steady_split_steps_reuse_the_early_fields_the_device_advanced():
+    """Steps whose requests continue as the device expects skip the early fill and upload, and every
+    proposal still reads this step's anchors and tokens; a host-side change, a new request mix or a replay
+    from outside (a diagnostic) sends the next step back to the full upload."""
+    graphs = StepGraphs(SimpleNamespace(device=torch.device("cpu"), page_size=64), step_fn=None,
+                        max_seqs=4, max_pages=2, split_after_propose=True)
+    inputs = graphs._padding(KEY, {name: KEY.num_seqs for name in REQUEST_INT_FIELDS},
+                             {name: KEY.num_seqs for name in REQUEST_FLOAT_FIELDS},
+                             early=(*EARLY_REQUEST_FIELDS, "state_slots"))
+    log: list = []
+    step = graphs.graphs[KEY] = DeviceLikeStep(inputs, log, accept=[1, 0])  # request 1 is padding
+    params = [SamplingParams(temperature=1.0, seed=1)]
+    anchors, tokens = [5], [11]
+
+    def run(**overrides):
+        log.clear()
+        args = dict(anchors=anchors, slots=[0], tables=[[3]], anchor_tokens=tokens, params=params, keep=-1)
+        rows = graphs.run(KEY, **{**args, **overrides})
+        proposal = next(entry for entry in log if entry[0] == "proposal")
+        uploads = [entry[1] for entry in log if entry[0] == "upload"]
+        return rows, proposal, uploads
+
+    def host_next(rows):  # what the engine does with a step's result: move past the committed tokens
+        accepted = rows[0][0]
+        return [anchors[0] + accepted + 1], [rows[0][1 + accepted]]
+
+    rows, proposal, uploads = run()
+    assert uploads == ["early", "late"] and proposal[1:] == ([5, 0], [11, 0]) and graphs.early_reuses == 0
+    for i in range(3):  # steady: the device holds what the host asks for
+        anchors, tokens = host_next(rows)
+        rows, proposal, uploads = run()
+        assert uploads == ["late"] and graphs.early_reuses == i + 1
+        assert proposal[1][0] == anchors[0] and proposal[2][0] == tokens[0]
+        assert proposal[1][1] == 0 and proposal[2][1] == 0  # the padding request kept its fields
+    anchors, tokens = host_next(rows)
+    tokens = [tokens[0] + 1]  # the host's token differs (say a stop rule rewrote it): full upload
+    rows, proposal, uploads = run()
+    assert uploads == ["early", "late"] and proposal[2][0] == tokens[0] and graphs.early_reuses == 3
+    anchors, tokens = host_next(rows)
+    step.replay()  # a diagnostic replays the step: the device's fields moved on without the host
+    rows, proposal, uploads = run()
+    assert uploads == ["early", "late"] and proposal[1][0] == anchors[0]
+    anchors, tokens = host_next(rows)
+    rows, proposal, uploads = run(params=[SamplingParams(temperature=0.5, seed=1)])  # other sampling
+    assert uploads == ["early", "late"] and graphs.early_reuses == 3
