@@ -9,6 +9,9 @@
    with graphs actually replayed (the graph count is asserted): all greedy, and mixed greedy and
    sampled (temperature, top-k, top-p, seeds; fp32, so a draw could only flip where its uniform
    lies within rounding of a CDF edge, about 1e-7 per token).
+3. TOKEN_STREAM: DFlash steps that launch the next step's proposal ahead (``StepGraphs``, "Proposal
+   ahead") give exactly the tokens of graph steps that do not, greedy and sampled, and steps did use a
+   proposal launched ahead.
 """
 
 from __future__ import annotations
@@ -120,7 +123,8 @@ def test_graph_engine_gives_the_eager_engines_tokens(stack, algorithm):
     assert replayed, f"{name} {algorithm}: no step was replayed from a CUDA graph"
     assert all(len(step.graphs) > 1 for step in replayed.values()), "a capture was not cut into several graphs"
     if algorithm == "dflash":  # steady steps found their early fields advanced on the device (StepGraphs)
-        assert runner.step_graphs.early_reuses > 0, f"{name}: no step reused its early fields"
+        assert runner.step_graphs.early_reuses + runner.step_graphs.ahead_used > 0, \
+            f"{name}: no step reused its early fields"
     eager = LLM(target_dir, enforce_eager=True, **kwargs).generate(prompts, params)
     runner = None  # the reference, to judge a divergence
     for prompt, a, b in zip(prompts, fast, eager):
@@ -131,3 +135,25 @@ def test_graph_engine_gives_the_eager_engines_tokens(stack, algorithm):
             top = torch.topk(logits, 2).values
             assert float(top[0] - top[1]) <= 1e-4, (f"{name} {algorithm}: graph and eager engines differ at token "
                                                      f"{j} without a near tie\ngraph {a.token_ids}\neager {b.token_ids}")
+
+
+def test_proposals_launched_ahead_give_the_same_tokens(stack):
+    """Three requests on three slots, nothing waiting, long enough for steady steps: with proposals ahead
+    (the default) and without, bit for bit the same tokens (the same graphs: no rounding may differ);
+    greedy and sampled in one batch. The eager engine's agreement is the tests above."""
+    name, target_dir, draft_dir = stack
+    prompts = [list(range(5, 30)), [9] * 7, [4, 4, 8]]
+    params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=48, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=48, temperature=1.0, top_k=5, seed=4, ignore_eos=True)]
+    kwargs = dict(dtype=torch.float32, device="cuda", max_running_req=3, speculative_algorithm="dflash",
+                  speculative_draft_model_path=draft_dir)
+    outputs = {}
+    for mode in ("ahead", "no ahead"):
+        llm = LLM(target_dir, **kwargs)
+        llm.engine.runner.step_graphs.propose_ahead = mode == "ahead"
+        outputs[mode] = [out.token_ids for out in llm.generate(prompts, params)]
+        if mode == "ahead":
+            graphs = llm.engine.runner.step_graphs
+            assert graphs.ahead_used > 0, f"{name}: no step used a proposal launched ahead"
+    assert outputs["ahead"] == outputs["no ahead"], f"{name}: proposals ahead changed the tokens"

@@ -41,6 +41,7 @@ rounding, since GEMM kernels are chosen by row count.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -233,9 +234,10 @@ class CapturedStep:
     """
 
     def __init__(self, inputs: StaticInputs, fn: Callable[[dict[str, Tensor]], object], device: torch.device,
-                 mempool) -> None:
+                 mempool, pool_replays: list[int] | None = None) -> None:
         self.inputs, self.fn = inputs, fn
-        self.replays = 0  # replay() calls so far
+        self.ends = 0  # replays that ran the step's end (stop None), a diagnostic's too (StepGraphs trusts only its own)
+        self.pool_replays = pool_replays  # every replay of the graphs sharing this step's memory pool, counted
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.marks: dict[str, int] = {}  # a named graph_cut -> the graphs captured before it
         if device.type != "cuda":
@@ -269,7 +271,10 @@ class CapturedStep:
     def replay(self, start: str | None = None, stop: str | None = None):
         """Replay the graphs from mark ``start`` (None: the first) up to mark ``stop`` (None: the last);
         returns the output (complete once the last graph has run). Without graphs: ``fn`` on the fields."""
-        self.replays += 1  # any replay, a diagnostic's too (StepGraphs.run trusts only its own)
+        if stop is None:
+            self.ends += 1
+        if self.pool_replays is not None:
+            self.pool_replays[0] += 1
         if not self.graphs:
             return self.fn(self.inputs.views)
         for graph in self.graphs[self.marks[start] if start else 0:self.marks[stop] if stop else None]:
@@ -403,20 +408,39 @@ class StepGraphs(_KeyedGraphs):
     replayed the step since, it launches the proposal at once, without the early fill and upload: on the
     H200 those took ~140 of the ~310 us the GPU waited at a verify step's start (perf10 host split).
     Otherwise it fills and uploads them, as on every first step.
+
+    Proposal ahead (``run(..., ahead=True)``, when the caller expects the same requests to go on): the
+    step also launches the next step's proposal on those advanced fields, right behind its own graphs
+    and before it reads its result (copied first into a pinned buffer, so the proposal cannot overwrite
+    it in the shared pool). The GPU then drafts step n + 1 while the host reads step n's tokens, the
+    engine commits them and the next ``run`` fills and uploads the rest of the batch: no host lead at
+    all. That next ``run`` uses the proposal only if nothing can have changed what it read: the same
+    key, exactly the advanced values, no replay of any graph of this pool since (``pool_replays``), and
+    no other runner step in between (``epoch``, which the runner counts up once per step: a prefill, a
+    decode or an eager verify could write the rings the proposal read). A DFlash proposal writes no
+    state (it reads the rings and its fields; its outputs are the pool's), so a proposal nobody uses
+    costs only its GPU time; the next step then proposes again, as without one.
     """
 
     def __init__(self, pools, step_fn: Callable, *, max_seqs: int, max_pages: int, split_after_propose: bool = False):
         super().__init__(pools, max_seqs=max_seqs, max_pages=max_pages)
         self.step_fn = step_fn
         self.split_after_propose = split_after_propose
-        self.on_device: dict[GraphKey, tuple[int, tuple]] = {}  # key -> (its replays, the early values it holds)
+        self.pool_replays = [0]  # replays of any graph in this pool (CapturedStep counts them)
+        self.on_device: dict[GraphKey, tuple[int, tuple]] = {}  # key -> (its ends, the early values it holds)
+        self.ahead: tuple | None = None  # (key, pool_replays, epoch, early values) of a proposal launched ahead
+        self.propose_ahead = os.environ.get("DFLASH2_PROPOSE_AHEAD", "1") != "0"  # off: never launch one
+        self.reuse_early_fields = True  # off: every step fills and uploads them (A/B diagnostics)
         self.early_reuses = 0  # steps that found their early fields on the device (tests, diagnostics)
+        self.ahead_used = 0  # steps whose proposal had been launched by the step before (tests, diagnostics)
 
     def run(self, key: GraphKey, *, anchors: Sequence[int], slots: Sequence[int], tables: Sequence[Sequence[int]],
-            anchor_tokens: Sequence[int], params: Sequence[SamplingParams], keep: int) -> list[list[int]]:
+            anchor_tokens: Sequence[int], params: Sequence[SamplingParams], keep: int, epoch: int = 0,
+            ahead: bool = False) -> list[list[int]]:
         """One replay for ``len(anchors)`` requests (host inputs as ``fill_batch``'s; ``keep``: -1, or the
         drafts a benchmark's simulated verify keeps). Returns, per request, ``[num_accepted, *emitted]``:
-        the step's one device-to-host read."""
+        the step's one device-to-host read. ``epoch``: the runner's step count (class docstring);
+        ``ahead``: also launch the next step's proposal (a split step only; class docstring)."""
         step = self.graphs.get(key) or self._capture(key)
         host = step.inputs.begin_fill()
         num_seqs = len(anchors)
@@ -428,24 +452,48 @@ class StepGraphs(_KeyedGraphs):
         if split:  # the proposal's fields, then its graphs, while the host goes on with the batch
             wanted = (tuple(anchors), tuple(anchor_tokens), tuple(slots),
                       tuple((p.temperature, p.top_k, p.top_p, p.seed) for p in params))
-            if self.on_device.get(key) == (step.replays, wanted):
-                self.early_reuses += 1  # the last replay left exactly these in the early fields
+            if self.ahead == (key, self.pool_replays[0], epoch - 1, wanted):
+                self.ahead_used += 1  # the step before launched exactly this proposal, and nothing ran since
             else:
-                fill_per_request(host, {**per_request, "state_slots": (slots, PAD_SLOT)})
-                step.inputs.upload("early")
-            step.replay(stop=PROPOSED)
+                if self.reuse_early_fields and self.on_device.get(key) == (step.ends, wanted):
+                    self.early_reuses += 1  # the last replay left exactly these in the early fields
+                else:
+                    fill_per_request(host, {**per_request, "state_slots": (slots, PAD_SLOT)})
+                    step.inputs.upload("early")
+                step.replay(stop=PROPOSED)
+            self.ahead = None
             fill_per_request(host, keep_field)
         else:
             fill_per_request(host, {**per_request, **keep_field})
         fill_batch(host, key, starts=anchors, slots=None if split else slots, tables=tables,
                    logits_rows=range(num_seqs * key.rows_per_seq), page_size=self.page_size)
         step.inputs.upload("late" if split else "all")
-        rows = step.replay(start=PROPOSED if split else None)[:num_seqs].tolist()
-        if split:  # what the step's end wrote there (_capture's advance_early_fields)
-            advanced = (tuple(a + row[0] + 1 for a, row in zip(anchors, rows)),
-                        tuple(row[1 + row[0]] for row in rows), wanted[2], wanted[3])
-            self.on_device[key] = (step.replays, advanced)
+        out = step.replay(start=PROPOSED if split else None)
+        if not split:
+            return out[:num_seqs].tolist()
+        ahead = ahead and self.propose_ahead
+        rows = self._read_proposing_ahead(step, out, num_seqs) if ahead else out[:num_seqs].tolist()
+        # what the step's end wrote to the early fields (_capture's advance_early_fields)
+        advanced = (tuple(a + row[0] + 1 for a, row in zip(anchors, rows)),
+                    tuple(row[1 + row[0]] for row in rows), wanted[2], wanted[3])
+        self.on_device[key] = (step.ends, advanced)
+        if ahead:
+            self.ahead = (key, self.pool_replays[0], epoch, advanced)
         return rows
+
+    def _read_proposing_ahead(self, step: CapturedStep, out: Tensor, num_seqs: int) -> list[list[int]]:
+        """The step's rows, read after launching the next step's proposal behind it (class docstring)."""
+        if step.result is None:  # the pinned copy the host reads, and the event that says it has landed
+            cuda = self.device.type == "cuda"
+            step.result = torch.empty(out.shape, dtype=out.dtype, pin_memory=cuda)
+            step.result_ready = torch.cuda.Event() if cuda else None
+        step.result.copy_(out, non_blocking=True)
+        if step.result_ready is not None:
+            step.result_ready.record()
+        step.replay(stop=PROPOSED)  # on the early fields the step's end advanced
+        if step.result_ready is not None:
+            step.result_ready.synchronize()  # the step's own graphs and the copy, not the proposal behind them
+        return step.result[:num_seqs].tolist()
 
     def _capture(self, key: GraphKey) -> CapturedStep:
         b = key.num_seqs
@@ -461,7 +509,8 @@ class StepGraphs(_KeyedGraphs):
                 advance_early_fields(views, num_accepted, emitted)
             return torch.cat([num_accepted[:, None], emitted], dim=1)  # [B, 1 + R]: one read of both
 
-        step = CapturedStep(inputs, step_fn, self.device, self.mempool)
+        step = CapturedStep(inputs, step_fn, self.device, self.mempool, self.pool_replays)
+        step.result = None  # the pinned copy of the output a step proposing ahead reads (_read_proposing_ahead)
         self.graphs[key] = step
         return step
 

@@ -99,6 +99,7 @@ class ModelRunner:
         # No serving path sets it: EngineConfig, LLM and ft generate/serve have no flag for it.
         self.simulated_accept: Callable[[], int] | None = None
         self.logprobs: list[list[TokenLogprob] | None] | None = None  # the last step's, when asked for
+        self.epoch = 0  # steps run so far (prefill, decode, verify): StepGraphs' proposal ahead checks it
 
     # ---- batch building -------------------------------------------------------------------------
 
@@ -183,6 +184,7 @@ class ModelRunner:
 
     def prefill(self, plan: PrefillPlan, top_logprobs: Sequence[int | None] | None = None) -> list[int | None]:
         """Run the chunks; the first output token of each chunk that completes its prompt, else None."""
+        self.epoch += 1
         self.logprobs = None
         chunks = plan.chunks
         reqs = [c.req for c in chunks]
@@ -207,6 +209,7 @@ class ModelRunner:
 
     def decode(self, plan: DecodePlan, top_logprobs: Sequence[int | None] | None = None) -> list[int]:
         """Plain decoding: one token per request."""
+        self.epoch += 1
         self.logprobs = None
         reqs = plan.reqs
         anchors = [r.anchor_position for r in reqs]
@@ -231,13 +234,14 @@ class ModelRunner:
 
     def verify(self, plan: DecodePlan, top_logprobs: Sequence[int | None] | None = None) -> list[VerifyResult]:
         """One speculative step for every request of the plan (per-request k_b = ``plan.num_drafts``)."""
+        self.epoch += 1
         self.logprobs = None
         reqs, num_drafts = plan.reqs, plan.num_drafts
         k = max(num_drafts)
         rows = k + 1
         if (self.step_graphs is not None and top_logprobs is None and not self.trace and k
                 and min(num_drafts) == k):
-            graphed = self._verify_graphed(reqs, k)
+            graphed = self._verify_graphed(reqs, k, ahead=not plan.waiting)
             if graphed is not None:
                 return graphed
         st = self.sampling([r.params for r in reqs])
@@ -290,21 +294,31 @@ class ModelRunner:
 
     # ---- the whole speculative step as one CUDA-graph capture ------------------------------------
 
-    def _verify_graphed(self, reqs: Sequence[Req], k: int) -> list[VerifyResult] | None:
-        """``verify`` for requests that all draft k, by replaying the captured step; None if no graph fits."""
+    def _verify_graphed(self, reqs: Sequence[Req], k: int, ahead: bool = True) -> list[VerifyResult] | None:
+        """``verify`` for requests that all draft k, by replaying the captured step; None if no graph fits.
+
+        ``ahead``: the step may launch the next one's proposal (``StepGraphs``, "Proposal ahead"); it does
+        when every request will draft k again, whatever it accepts now, on the same graph."""
         rows = k + 1
         anchors = [r.anchor_position for r in reqs]
-        pages = max(max(len(r.pages) for r in reqs), -(-(max(anchors) + rows) // self.page_size))
+        held = max(len(r.pages) for r in reqs)
+        pages = max(held, -(-(max(anchors) + rows) // self.page_size))
         key = self.step_graphs.key_for(len(reqs), rows, pages, True)
         if key is None:
             return None
+        # after this step (at most k + 1 tokens) each request still has k + 1 to go, and the pages the next
+        # one can need (anchor + 2 (k + 1) positions) fit the same page bucket
+        ahead = (ahead and all(r.max_new_tokens - len(r.output_ids) - rows > k for r in reqs)
+                 and self.step_graphs.key_for(len(reqs), rows, max(held, -(-(max(anchors) + 2 * rows)
+                                                                            // self.page_size)), True) == key)
         params = [r.params for r in reqs]
         simulated = self.simulated_accept is not None  # a serving step's graph has no keep merge (GraphKey)
         key = replace(key, sampling=graph_summary(params), simulated=simulated)
         keep = self.simulated_accept() if simulated else -1
         results = self.step_graphs.run(key, anchors=anchors, slots=[r.slot for r in reqs],
                                        tables=[r.pages for r in reqs], anchor_tokens=[r.output_ids[-1] for r in reqs],
-                                       params=params, keep=keep)  # per request [num_accepted, *emitted]
+                                       params=params, keep=keep, epoch=self.epoch,
+                                       ahead=ahead)  # per request [num_accepted, *emitted]
         return [VerifyResult(row[0], row[1:row[0] + 2], None) for row in results]
 
     def verify_step_fn(self, views: dict[str, Tensor], key: GraphKey) -> tuple[Tensor, Tensor]:

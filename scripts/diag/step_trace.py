@@ -94,6 +94,49 @@ def side_stream_ab(llm, prompt: list[int], key, step_on, rounds: int) -> dict:
     return {"label": "side stream A/B", "rounds_us": times}
 
 
+def ahead_ab(llm, prompt: list[int], tokens: int, rounds: int) -> dict:
+    """The engine's verify step with proposals launched ahead, with the early fields' reuse alone, and with
+    neither (``StepGraphs``), in interleaved rounds of one ``tokens``-token generate each: per round, the
+    median of ``runner.verify``'s wall time (what ``ft bench`` reports as the step) and the generate's wall
+    per verify step (the engine's own host time between steps too). Prints and returns them (us)."""
+    import time
+
+    runner = llm.engine.runner
+    graphs = runner.step_graphs
+    verify, walls = runner.verify, []
+
+    def timed(plan, *a, **kw):
+        start = time.perf_counter()
+        out = verify(plan, *a, **kw)
+        walls.append(time.perf_counter() - start)
+        return out
+    runner.verify = timed
+    variants = {"ahead": (True, True), "early fields only": (False, True), "neither": (False, False)}
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    steps = {name: [] for name in variants}
+    per_step = {name: [] for name in variants}
+    used = {name: 0 for name in variants}
+    for _ in range(rounds):
+        for name, (ahead, reuse) in variants.items():
+            graphs.propose_ahead, graphs.reuse_early_fields = ahead, reuse
+            walls.clear()
+            before = graphs.ahead_used
+            start = time.perf_counter()
+            llm.generate([prompt], params)
+            wall = time.perf_counter() - start
+            used[name] += graphs.ahead_used - before
+            steps[name].append(1e6 * sorted(walls)[len(walls) // 2])
+            per_step[name].append(1e6 * wall / len(walls))
+    runner.verify = verify
+    graphs.propose_ahead, graphs.reuse_early_fields = True, True
+    print(f"\n== proposal ahead A/B, {rounds} interleaved rounds of a {tokens}-token generate (us)")
+    for name in variants:
+        med = sorted(steps[name])[rounds // 2]
+        print(f"  {name:18s} verify step median {med:8.1f} (rounds {' '.join(f'{v:.0f}' for v in steps[name])}); "
+              f"generate wall per step {sorted(per_step[name])[rounds // 2]:8.1f}; proposals ahead used {used[name]}")
+    return {"label": "proposal ahead A/B", "step_us": steps, "wall_per_step_us": per_step, "ahead_used": used}
+
+
 def host_profile(llm, prompt: list[int], tokens: int) -> None:
     """Where the host's time goes in a generate of ``tokens`` tokens (cProfile; a device wait shows as
     the time of the call that synchronises, e.g. ``tolist``), and the runner's step times."""
@@ -259,13 +302,16 @@ def main() -> int:
     p.add_argument("--host-profile", type=int, default=0, help="also cProfile a generate of this many tokens")
     p.add_argument("--timeline", type=int, default=0, help="also split the steps of a generate of this many tokens")
     p.add_argument("--host-split", type=int, default=0, help="also time the host's parts of such steps")
+    p.add_argument("--ab-ahead", type=int, default=0, help="also time the engine's verify step with proposals "
+                   "ahead, early fields only and neither, in this many interleaved rounds")
+    p.add_argument("--ab-tokens", type=int, default=128, help="tokens per round of --ab-ahead")
     p.add_argument("--ab-side-stream", type=int, default=0, help="also time the step with the side stream off, "
                    "in this many interleaved rounds")
     args = p.parse_args()
     algorithm, k = SETTINGS[args.setting]
     llm = LLM(args.model, max_running_req=1, load_format="dummy", seed=0, speculative_algorithm=algorithm,
               speculative_num_steps=k, speculative_draft_model_path=args.draft if algorithm == "dflash" else None,
-              max_model_len=args.prompt_len + 64 + 64)
+              max_model_len=args.prompt_len + max(128, args.ab_tokens) + 64)
     runner = llm.engine.runner
     if algorithm != "none":
         runner.simulated_accept = SimulatedAcceptance(args.tokens_per_step)
@@ -295,6 +341,8 @@ def main() -> int:
         timeline(llm, prompt, args.timeline, "decode" if algorithm == "none" else "verify")
     if args.host_split:
         host_split(llm, prompt, args.host_split, "decode" if algorithm == "none" else "verify")
+    if args.ab_ahead and algorithm == "dflash":
+        results.append(ahead_ab(llm, prompt, args.ab_tokens, args.ab_ahead))
     if args.ab_side_stream and algorithm != "none":  # last: it leaves the side stream off
         results.append(side_stream_ab(llm, prompt, key, step, args.ab_side_stream))
     if args.out:

@@ -26,8 +26,9 @@ class RecordingStep:
     """A captured step's stand-in: two graphs, cut at PROPOSED; records uploads and replays with
     the device fields each replay saw."""
 
-    def __init__(self, inputs, log):
-        self.inputs, self.log, self.marks, self.replays = inputs, log, {PROPOSED: 1}, 0
+    def __init__(self, inputs, log, pool_replays=None):
+        self.inputs, self.log, self.marks, self.ends = inputs, log, {PROPOSED: 1}, 0
+        self.pool_replays, self.result = pool_replays if pool_replays is not None else [0], None
         upload = inputs.upload
 
         def recording_upload(part="all"):
@@ -36,7 +37,8 @@ class RecordingStep:
         inputs.upload = recording_upload
 
     def replay(self, start=None, stop=None):
-        self.replays += 1
+        self.ends += stop is None
+        self.pool_replays[0] += 1
         seen = {name: self.inputs.views[name].clone() for name in ("anchors", "block_tables")}
         self.log.append(("replay", start, stop, seen))
         return torch.zeros(KEY.num_seqs, 1 + KEY.rows_per_seq, dtype=torch.long)
@@ -82,13 +84,14 @@ class DeviceLikeStep(RecordingStep):
     the anchors and anchor tokens it reads; the rest returns ``[num_accepted, *emitted]`` (request b accepts
     ``accept[b]`` drafts, emits tokens 100 * step + b + i) and advances the early fields."""
 
-    def __init__(self, inputs, log, accept):
-        super().__init__(inputs, log)
+    def __init__(self, inputs, log, accept, pool_replays=None):
+        super().__init__(inputs, log, pool_replays)
         self.accept, self.step = accept, 0
 
     def replay(self, start=None, stop=None):
         views = self.inputs.views
-        self.replays += 1
+        self.ends += stop is None
+        self.pool_replays[0] += 1
         if start is None:  # the proposal
             self.log.append(("proposal", views["anchors"].tolist(), views["anchor_tokens"].tolist()))
         if stop is None:  # the rest of the step
@@ -145,3 +148,51 @@ def test_steady_split_steps_reuse_the_early_fields_the_device_advanced():
     anchors, tokens = host_next(rows)
     rows, proposal, uploads = run(params=[SamplingParams(temperature=0.5, seed=1)])  # other sampling
     assert uploads == ["early", "late"] and graphs.early_reuses == 3
+
+
+def test_a_step_proposing_ahead_hands_the_next_step_its_proposal_only_when_nothing_ran_between():
+    """With ``ahead`` the step launches the next proposal behind its own graphs, on the advanced fields, and
+    still returns its own rows; the next step skips its proposal (no early upload, no replay before the late
+    upload) only with the same key, the advanced values, the next epoch and no replay of the pool between."""
+    graphs = StepGraphs(SimpleNamespace(device=torch.device("cpu"), page_size=64), step_fn=None,
+                        max_seqs=4, max_pages=2, split_after_propose=True)
+    inputs = graphs._padding(KEY, {name: KEY.num_seqs for name in REQUEST_INT_FIELDS},
+                             {name: KEY.num_seqs for name in REQUEST_FLOAT_FIELDS},
+                             early=(*EARLY_REQUEST_FIELDS, "state_slots"))
+    log: list = []
+    step = graphs.graphs[KEY] = DeviceLikeStep(inputs, log, accept=[2, 0], pool_replays=graphs.pool_replays)
+    params = [SamplingParams()]
+    state = {"anchors": [5], "tokens": [11], "epoch": 0}
+
+    def run(ahead=True, epoch_step=1, **overrides):
+        log.clear()
+        state["epoch"] += epoch_step
+        args = dict(anchors=state["anchors"], slots=[0], tables=[[3]], anchor_tokens=state["tokens"], params=params,
+                    keep=-1, epoch=state["epoch"], ahead=ahead)
+        rows = graphs.run(KEY, **{**args, **overrides})
+        events = [(entry[0], entry[1] if entry[0] == "upload" else entry[1][0]) for entry in log
+                  if entry[0] in ("upload", "proposal")]
+        state["anchors"], state["tokens"] = [state["anchors"][0] + rows[0][0] + 1], [rows[0][1 + rows[0][0]]]
+        return rows, events
+
+    rows, events = run()  # a first step: its own proposal, then the next one's on the advanced anchor
+    assert rows[0] == [2, 0, 1, 2] and events == [("upload", "early"), ("proposal", 5), ("upload", "late"),
+                                                ("proposal", 8)]
+    rows, events = run()  # steady: the proposal ran already; only the late fields go up
+    assert graphs.ahead_used == 1 and events == [("upload", "late"), ("proposal", 11)]
+    assert rows[0] == [2, 100, 101, 102], "the rows read are this step's, not the proposal's behind it"
+    rows, events = run(ahead=False)  # the caller expects a change: nothing is launched behind the step
+    assert graphs.ahead_used == 2 and events == [("upload", "late")]
+    rows, events = run()  # no proposal ahead to use: the device still holds the advanced fields
+    assert graphs.ahead_used == 2 and graphs.early_reuses == 1
+    assert events == [("proposal", 14), ("upload", "late"), ("proposal", 17)]
+    rows, events = run(epoch_step=2)  # another runner step ran between (a prefill, say)
+    assert graphs.ahead_used == 2 and graphs.early_reuses == 2 and events[0] == ("proposal", 17)
+    step.replay(stop=PROPOSED)  # a diagnostic replays a graph of the pool
+    rows, events = run()
+    assert graphs.ahead_used == 2 and events[0] == ("proposal", 20)
+    state["tokens"] = [state["tokens"][0] + 1]  # the host's token differs (a stop rule rewrote it)
+    rows, events = run()
+    assert graphs.ahead_used == 2 and events[:2] == [("upload", "early"), ("proposal", 23)]
+    rows, events = run()  # and the step after that is steady again
+    assert graphs.ahead_used == 3 and events == [("upload", "late"), ("proposal", 29)]
