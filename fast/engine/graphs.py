@@ -42,6 +42,7 @@ rounding, since GEMM kernels are chosen by row count.
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -383,6 +384,11 @@ REQUEST_INT_FIELDS = ("anchor_tokens", "anchors", "top_k", "seeds", "keep")
 EARLY_REQUEST_FIELDS = ("anchor_tokens", "anchors", "top_k", "seeds", "temperature", "top_p")  # what a proposal reads
 # (with state_slots); keep, read by the verify only, goes with the late fields
 PROPOSED = "proposed"  # the graph_cut mark after a speculative step's proposal
+# StepGraphs proposes ahead while its prediction of the next step held for AHEAD_MIN_HITS of the last
+# AHEAD_WINDOW steps: at one request a proposal ahead saves ~0.27 ms a step and a dropped one costs its
+# ~0.87 ms (H200, MoE 35B-A3B, perf11), so it pays while about 3 in 4 are used
+AHEAD_WINDOW = 8
+AHEAD_MIN_HITS = 6
 REQUEST_FLOAT_FIELDS = ("temperature", "top_p")
 
 
@@ -405,21 +411,25 @@ class StepGraphs(_KeyedGraphs):
     for the next step (each real request's anchor by its committed tokens, its anchor token to the last
     one emitted), and ``run`` remembers what the device then holds. When the next step of that key asks
     for exactly those values (same anchors, tokens, slots and sampling parameters) and nothing else
-    replayed the step since, it launches the proposal at once, without the early fill and upload: on the
-    H200 those took ~140 of the ~310 us the GPU waited at a verify step's start (perf10 host split).
-    Otherwise it fills and uploads them, as on every first step.
+    replayed the step since, it launches the proposal at once, without the early fill and upload
+    (otherwise it fills and uploads them, as on every first step). Alone this measured no faster on the
+    H200 (7500 against 7491 us a step, perf11's A/B, within its spread); what pays is the next part.
 
     Proposal ahead (``run(..., ahead=True)``, when the caller expects the same requests to go on): the
     step also launches the next step's proposal on those advanced fields, right behind its own graphs
     and before it reads its result (copied first into a pinned buffer, so the proposal cannot overwrite
     it in the shared pool). The GPU then drafts step n + 1 while the host reads step n's tokens, the
     engine commits them and the next ``run`` fills and uploads the rest of the batch: no host lead at
-    all. That next ``run`` uses the proposal only if nothing can have changed what it read: the same
-    key, exactly the advanced values, no replay of any graph of this pool since (``pool_replays``), and
-    no other runner step in between (``epoch``, which the runner counts up once per step: a prefill, a
-    decode or an eager verify could write the rings the proposal read). A DFlash proposal writes no
-    state (it reads the rings and its fields; its outputs are the pool's), so a proposal nobody uses
-    costs only its GPU time; the next step then proposes again, as without one.
+    all (H200, MoE 35B-A3B, one request: 7234 against 7500 us a step, perf11). That next ``run`` uses
+    the proposal only if nothing can have changed what it read: the same key, exactly the advanced
+    values, no replay of any graph of this pool since (``pool_replays``), and no other runner step in
+    between (``epoch``, which the runner counts up once per step: a prefill, a decode or an eager verify
+    could write the rings the proposal read). A DFlash proposal writes no state (it reads the rings and
+    its fields; its outputs are the pool's), so a proposal nobody uses costs only its GPU time, and the
+    next step proposes again, as without one. That waste is why a step proposes ahead only while the
+    prediction held for at least :data:`AHEAD_MIN_HITS` of the last :data:`AHEAD_WINDOW` steps (checked
+    on every step, launched or not): a batch whose requests finish or join often (end of sequence,
+    arrivals) stops paying for proposals it drops, and takes them up again once it is steady.
     """
 
     def __init__(self, pools, step_fn: Callable, *, max_seqs: int, max_pages: int, split_after_propose: bool = False):
@@ -428,7 +438,9 @@ class StepGraphs(_KeyedGraphs):
         self.split_after_propose = split_after_propose
         self.pool_replays = [0]  # replays of any graph in this pool (CapturedStep counts them)
         self.on_device: dict[GraphKey, tuple[int, tuple]] = {}  # key -> (its ends, the early values it holds)
-        self.ahead: tuple | None = None  # (key, pool_replays, epoch, early values) of a proposal launched ahead
+        self.expected: tuple | None = None  # (key, pool_replays, epoch, early values) the next step should ask for
+        self.launched_ahead = False  # whether the last step launched the proposal for ``expected``
+        self.recent_hits: deque[bool] = deque(maxlen=AHEAD_WINDOW)  # whether ``expected`` held, per step
         self.propose_ahead = os.environ.get("DFLASH2_PROPOSE_AHEAD", "1") != "0"  # off: never launch one
         self.reuse_early_fields = True  # off: every step fills and uploads them (A/B diagnostics)
         self.early_reuses = 0  # steps that found their early fields on the device (tests, diagnostics)
@@ -452,7 +464,10 @@ class StepGraphs(_KeyedGraphs):
         if split:  # the proposal's fields, then its graphs, while the host goes on with the batch
             wanted = (tuple(anchors), tuple(anchor_tokens), tuple(slots),
                       tuple((p.temperature, p.top_k, p.top_p, p.seed) for p in params))
-            if self.ahead == (key, self.pool_replays[0], epoch - 1, wanted):
+            hit = self.expected == (key, self.pool_replays[0], epoch - 1, wanted)
+            if self.expected is not None:
+                self.recent_hits.append(hit)
+            if hit and self.launched_ahead:
                 self.ahead_used += 1  # the step before launched exactly this proposal, and nothing ran since
             else:
                 if self.reuse_early_fields and self.on_device.get(key) == (step.ends, wanted):
@@ -461,7 +476,7 @@ class StepGraphs(_KeyedGraphs):
                     fill_per_request(host, {**per_request, "state_slots": (slots, PAD_SLOT)})
                     step.inputs.upload("early")
                 step.replay(stop=PROPOSED)
-            self.ahead = None
+            self.expected, self.launched_ahead = None, False
             fill_per_request(host, keep_field)
         else:
             fill_per_request(host, {**per_request, **keep_field})
@@ -471,14 +486,13 @@ class StepGraphs(_KeyedGraphs):
         out = step.replay(start=PROPOSED if split else None)
         if not split:
             return out[:num_seqs].tolist()
-        ahead = ahead and self.propose_ahead
+        ahead = ahead and self.propose_ahead and self.recent_hits.count(False) <= AHEAD_WINDOW - AHEAD_MIN_HITS
         rows = self._read_proposing_ahead(step, out, num_seqs) if ahead else out[:num_seqs].tolist()
         # what the step's end wrote to the early fields (_capture's advance_early_fields)
         advanced = (tuple(a + row[0] + 1 for a, row in zip(anchors, rows)),
                     tuple(row[1 + row[0]] for row in rows), wanted[2], wanted[3])
         self.on_device[key] = (step.ends, advanced)
-        if ahead:
-            self.ahead = (key, self.pool_replays[0], epoch, advanced)
+        self.expected, self.launched_ahead = (key, self.pool_replays[0], epoch, advanced), ahead
         return rows
 
     def _read_proposing_ahead(self, step: CapturedStep, out: Tensor, num_seqs: int) -> list[list[int]]:

@@ -241,7 +241,7 @@ class ModelRunner:
         rows = k + 1
         if (self.step_graphs is not None and top_logprobs is None and not self.trace and k
                 and min(num_drafts) == k):
-            graphed = self._verify_graphed(reqs, k, ahead=not plan.waiting)
+            graphed = self._verify_graphed(reqs, k)
             if graphed is not None:
                 return graphed
         st = self.sampling([r.params for r in reqs])
@@ -294,11 +294,11 @@ class ModelRunner:
 
     # ---- the whole speculative step as one CUDA-graph capture ------------------------------------
 
-    def _verify_graphed(self, reqs: Sequence[Req], k: int, ahead: bool = True) -> list[VerifyResult] | None:
+    def _verify_graphed(self, reqs: Sequence[Req], k: int) -> list[VerifyResult] | None:
         """``verify`` for requests that all draft k, by replaying the captured step; None if no graph fits.
 
-        ``ahead``: the step may launch the next one's proposal (``StepGraphs``, "Proposal ahead"); it does
-        when every request will draft k again, whatever it accepts now, on the same graph."""
+        The step may launch the next one's proposal (``StepGraphs``, "Proposal ahead") when every request
+        will draft k again, whatever it accepts now, on the same graph."""
         rows = k + 1
         anchors = [r.anchor_position for r in reqs]
         held = max(len(r.pages) for r in reqs)
@@ -308,7 +308,7 @@ class ModelRunner:
             return None
         # after this step (at most k + 1 tokens) each request still has k + 1 to go, and the pages the next
         # one can need (anchor + 2 (k + 1) positions) fit the same page bucket
-        ahead = (ahead and all(r.max_new_tokens - len(r.output_ids) - rows > k for r in reqs)
+        ahead = (all(r.max_new_tokens - len(r.output_ids) - rows > k for r in reqs)
                  and self.step_graphs.key_for(len(reqs), rows, max(held, -(-(max(anchors) + 2 * rows)
                                                                             // self.page_size)), True) == key)
         params = [r.params for r in reqs]

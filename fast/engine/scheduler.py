@@ -106,7 +106,6 @@ class PrefillPlan:
 class DecodePlan:
     reqs: list[Req]
     num_drafts: list[int]  # k per request (0 for plain decoding)
-    waiting: bool = False  # requests were waiting when it was planned: the next step may admit one (a prefill)
 
 
 class PageAllocator:
@@ -202,7 +201,7 @@ class Scheduler:
         num_drafts = [self.drafts_for(r) for r in decoding]
         for req, k in zip(decoding, num_drafts):
             self.ensure_pages(req, req.anchor_position + k + 1)
-        return DecodePlan(decoding, num_drafts, waiting=bool(self.waiting))
+        return DecodePlan(decoding, num_drafts)
 
     def drafts_for(self, req: Req) -> int:
         """k for this request's next verify (``reference/speculative/loop.py``): a step emits up to k + 1

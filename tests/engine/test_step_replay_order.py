@@ -15,8 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash2.fast.engine.graphs import (EARLY_REQUEST_FIELDS, PROPOSED, REQUEST_FLOAT_FIELDS, REQUEST_INT_FIELDS,
-                                        GraphKey, StepGraphs, advance_early_fields)
+from dflash2.fast.engine import graphs as graphs_module
+from dflash2.fast.engine.graphs import (AHEAD_MIN_HITS, AHEAD_WINDOW, EARLY_REQUEST_FIELDS, PROPOSED,
+                                        REQUEST_FLOAT_FIELDS, REQUEST_INT_FIELDS, GraphKey, StepGraphs,
+                                        advance_early_fields)
 from dflash2.reference.request.sampling_params import SamplingParams
 
 KEY = GraphKey(num_seqs=2, rows_per_seq=3, pages=2, is_verify=True)
@@ -150,10 +152,9 @@ def test_steady_split_steps_reuse_the_early_fields_the_device_advanced():
     assert uploads == ["early", "late"] and graphs.early_reuses == 3
 
 
-def test_a_step_proposing_ahead_hands_the_next_step_its_proposal_only_when_nothing_ran_between():
-    """With ``ahead`` the step launches the next proposal behind its own graphs, on the advanced fields, and
-    still returns its own rows; the next step skips its proposal (no early upload, no replay before the late
-    upload) only with the same key, the advanced values, the next epoch and no replay of the pool between."""
+def _ahead_graphs():
+    """A split StepGraphs over a DeviceLikeStep, and ``run(ahead, epoch_step, **overrides) -> (rows, events)``
+    that steps one request along as the engine would (events: uploads and the anchor each proposal read)."""
     graphs = StepGraphs(SimpleNamespace(device=torch.device("cpu"), page_size=64), step_fn=None,
                         max_seqs=4, max_pages=2, split_after_propose=True)
     inputs = graphs._padding(KEY, {name: KEY.num_seqs for name in REQUEST_INT_FIELDS},
@@ -174,7 +175,15 @@ def test_a_step_proposing_ahead_hands_the_next_step_its_proposal_only_when_nothi
                   if entry[0] in ("upload", "proposal")]
         state["anchors"], state["tokens"] = [state["anchors"][0] + rows[0][0] + 1], [rows[0][1 + rows[0][0]]]
         return rows, events
+    return graphs, step, state, run
 
+
+def test_a_step_proposing_ahead_hands_the_next_step_its_proposal_only_when_nothing_ran_between(monkeypatch):
+    """With ``ahead`` the step launches the next proposal behind its own graphs, on the advanced fields, and
+    still returns its own rows; the next step skips its proposal (no early upload, no replay before the late
+    upload) only with the same key, the advanced values, the next epoch and no replay of the pool between."""
+    monkeypatch.setattr(graphs_module, "AHEAD_MIN_HITS", 0)  # every case below, however many miss in a row
+    graphs, step, state, run = _ahead_graphs()
     rows, events = run()  # a first step: its own proposal, then the next one's on the advanced anchor
     assert rows[0] == [2, 0, 1, 2] and events == [("upload", "early"), ("proposal", 5), ("upload", "late"),
                                                 ("proposal", 8)]
@@ -196,3 +205,21 @@ def test_a_step_proposing_ahead_hands_the_next_step_its_proposal_only_when_nothi
     assert graphs.ahead_used == 2 and events[:2] == [("upload", "early"), ("proposal", 23)]
     rows, events = run()  # and the step after that is steady again
     assert graphs.ahead_used == 3 and events == [("upload", "late"), ("proposal", 29)]
+
+
+def test_proposals_ahead_stop_while_the_prediction_keeps_failing_and_resume_once_it_holds():
+    """More than AHEAD_WINDOW - AHEAD_MIN_HITS of the last AHEAD_WINDOW predictions wrong: no proposal is
+    launched ahead; the predictions are still checked, and proposals ahead resume once enough hold again."""
+    graphs, step, state, run = _ahead_graphs()
+    run()
+    allowed = AHEAD_WINDOW - AHEAD_MIN_HITS
+    for miss in range(allowed + 1):  # another runner step between each: the prediction fails
+        rows, events = run(epoch_step=2)
+        launched = events[-1][0] == "proposal" and events[-2] == ("upload", "late")
+        assert launched == (miss < allowed), f"miss {miss + 1}: a proposal ahead {'not ' * launched}expected"
+    for hit in range(AHEAD_MIN_HITS):  # steady again: checked every step, launched once enough held
+        rows, events = run()
+        launched = events[-1][0] == "proposal" and events[-2] == ("upload", "late")
+        assert launched == (hit == AHEAD_MIN_HITS - 1), f"hit {hit + 1}: launched {launched}"
+    rows, events = run()
+    assert events == [("upload", "late"), ("proposal", state["anchors"][0])] and graphs.ahead_used == 1
