@@ -44,9 +44,8 @@ def test_taps_never_cross_the_block_start():
     gen = torch.Generator().manual_seed(0)
     rows, channels, group_size = 6, 8, 4
     base = torch.randn(2, 2, channels, generator=gen)
-    w_kp = torch.zeros(2 * 2 * channels // group_size, channels)  # static taps: row i reads rows i and i-1 only
     o = torch.randn(rows, channels, generator=gen)
-    delta = torch.zeros(rows, 2, 2, channels // group_size)
+    delta = torch.zeros(rows, 2, 2, channels // group_size)  # static taps: row i reads rows i and i-1 only
     y = conv_finish(o, base, delta, group_size)
     torch.testing.assert_close(y[0], base[1, 0] * o[0])  # row 0: tap 1 would reach before the block: zero
     changed = o.clone()
