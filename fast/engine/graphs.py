@@ -1,5 +1,6 @@
 """CUDA graphs of the engine's decode and verify steps: static buffers per bucket, one upload per step (two for
-a DFlash step: its proposal's fields first, ``StepGraphs``).
+a DFlash step: its proposal's fields first, ``StepGraphs``; one, the rest, for a steady step whose proposal the
+step before launched).
 
 Launched eagerly, a decode or verify step of a 40-64-layer hybrid is hundreds to thousands of
 small kernels, and at a few requests their launch gaps cost more than the weights' bytes. Here each
@@ -29,7 +30,8 @@ early fields' part of each, then the rest). The ForwardBatch fields
 
 Capture happens on first use of a key, on all-padding inputs (the warm-up runs and the capture then
 touch only the trash slot and row), so no step runs twice. All graphs share one memory pool: they
-replay one at a time, and each step's outputs are read before the next replay. A step that fits no
+replay one at a time, and each step's outputs are read before the next replay (or, a step that launches
+the next proposal ahead, copied out first: ``StepGraphs``). A step that fits no
 graph (a prefill chunk, a verify whose requests draft different k, more requests than
 max_running_req, a traced step, CPU tensors, or ops that synchronise with the host) runs eagerly;
 ``enforce_eager`` runs every step eagerly.

@@ -105,17 +105,24 @@ class DeviceLikeStep(RecordingStep):
             return torch.cat([num_accepted[:, None], emitted], dim=1)
 
 
-def test_steady_split_steps_reuse_the_early_fields_the_device_advanced():
-    """Steps whose requests continue as the device expects skip the early fill and upload, and every
-    proposal still reads this step's anchors and tokens; a host-side change, a new request mix or a replay
-    from outside (a diagnostic) sends the next step back to the full upload."""
+def _split_graphs(accept):
+    """A split StepGraphs whose one step (KEY) is a DeviceLikeStep accepting ``accept``, counted in the
+    graphs' pool; returns (graphs, step, the step's log)."""
     graphs = StepGraphs(SimpleNamespace(device=torch.device("cpu"), page_size=64), step_fn=None,
                         max_seqs=4, max_pages=2, split_after_propose=True)
     inputs = graphs._padding(KEY, {name: KEY.num_seqs for name in REQUEST_INT_FIELDS},
                              {name: KEY.num_seqs for name in REQUEST_FLOAT_FIELDS},
                              early=(*EARLY_REQUEST_FIELDS, "state_slots"))
     log: list = []
-    step = graphs.graphs[KEY] = DeviceLikeStep(inputs, log, accept=[1, 0])  # request 1 is padding
+    step = graphs.graphs[KEY] = DeviceLikeStep(inputs, log, accept=accept, pool_replays=graphs.pool_replays)
+    return graphs, step, log
+
+
+def test_steady_split_steps_reuse_the_early_fields_the_device_advanced():
+    """Steps whose requests continue as the device expects skip the early fill and upload, and every
+    proposal still reads this step's anchors and tokens; a host-side change, a new request mix or a replay
+    from outside (a diagnostic) sends the next step back to the full upload."""
+    graphs, step, log = _split_graphs(accept=[1, 0])  # request 1 is padding
     params = [SamplingParams(temperature=1.0, seed=1)]
     anchors, tokens = [5], [11]
 
@@ -155,13 +162,7 @@ def test_steady_split_steps_reuse_the_early_fields_the_device_advanced():
 def _ahead_graphs():
     """A split StepGraphs over a DeviceLikeStep, and ``run(ahead, epoch_step, **overrides) -> (rows, events)``
     that steps one request along as the engine would (events: uploads and the anchor each proposal read)."""
-    graphs = StepGraphs(SimpleNamespace(device=torch.device("cpu"), page_size=64), step_fn=None,
-                        max_seqs=4, max_pages=2, split_after_propose=True)
-    inputs = graphs._padding(KEY, {name: KEY.num_seqs for name in REQUEST_INT_FIELDS},
-                             {name: KEY.num_seqs for name in REQUEST_FLOAT_FIELDS},
-                             early=(*EARLY_REQUEST_FIELDS, "state_slots"))
-    log: list = []
-    step = graphs.graphs[KEY] = DeviceLikeStep(inputs, log, accept=[2, 0], pool_replays=graphs.pool_replays)
+    graphs, step, log = _split_graphs(accept=[2, 0])
     params = [SamplingParams()]
     state = {"anchors": [5], "tokens": [11], "epoch": 0}
 
