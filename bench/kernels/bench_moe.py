@@ -40,11 +40,14 @@ NOMINAL_BW = 4.25e12
 EXPERT_BYTES = (2 * WIDTH * HIDDEN + HIDDEN * WIDTH) * 2
 SPLIT = dict(split=True)  # the split form (fast/kernels/moe.py): gate/up -> h, then the down projection by C tile
 SWEEP = {  # beside each N's default (fast/kernels/moe.default_blocks); one compile each
-    1: [MoEBlocks(block_c=256, num_stages=4), MoEBlocks(block_i=16, block_c=64, **SPLIT),
+    1: [MoEBlocks(block_c=256, num_stages=4, sum_block_c=16), MoEBlocks(block_c=256, num_stages=4, sum_block_c=32),
+        MoEBlocks(block_c=256, num_stages=4, sum_block_c=128), MoEBlocks(block_i=16, block_c=64, **SPLIT),
         MoEBlocks(block_i=16, block_c=64, num_stages=4, **SPLIT), MoEBlocks(block_i=32, block_c=128, **SPLIT),
         MoEBlocks(block_i=16, block_c=32, block_d=256, **SPLIT)],
     4: [MoEBlocks(block_i=64), MoEBlocks(block_i=32, block_c=128, **SPLIT), MoEBlocks(block_i=16, block_c=64, **SPLIT)],
-    8: [MoEBlocks(block_i=64, num_stages=4), MoEBlocks(block_i=32, block_c=128, **SPLIT),
+    8: [MoEBlocks(block_i=32, block_c=64, sum_block_c=16, **SPLIT),
+        MoEBlocks(block_i=32, block_c=64, sum_block_c=32, **SPLIT),
+        MoEBlocks(block_i=64, num_stages=4), MoEBlocks(block_i=32, block_c=128, **SPLIT),
         MoEBlocks(block_i=32, block_c=128, num_stages=4, **SPLIT), MoEBlocks(block_i=16, block_c=64, **SPLIT),
         MoEBlocks(block_i=64, block_c=128, **SPLIT), MoEBlocks(block_i=32, block_c=64, **SPLIT),
         MoEBlocks(block_i=32, block_c=256, **SPLIT), MoEBlocks(block_i=32, block_c=64, num_stages=4, **SPLIT),
@@ -256,7 +259,7 @@ def main() -> None:
         b = s["blocks"]
         form = f"split d{b['block_d']}" if b.get("split") else "fused"
         print(f"sweep N={s['rows']:<4} {form:10s} m{b['block_m']} i{b['block_i']} k{b['block_k']} c{b['block_c']} "
-              f"st{b['num_stages']} w{b['num_warps']}: {s['graph_us']:8.1f} us  "
+              f"st{b['num_stages']} w{b['num_warps']} s{b['sum_block_c']}: {s['graph_us']:8.1f} us  "
               f"{100 * s['fraction_of_floor']:5.1f}% of floor"
               + ("" if s.get("numeric_ok", True) else "  NUMERIC FAIL"))
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (floor below at {NOMINAL_BW / 1e12:.2f}); "

@@ -90,7 +90,9 @@ def default_blocks(rows: int) -> MoEBlocks:
     split form): slower at 8 rows (97.7-141.8 vs 96.1 us) and at 16 (169.5-201.3 vs 161.8); at 1 row level with
     the fused form (22.4 vs 23.0 us, within the sweep's spread: not worth a third form on the decode path). Its
     programs need 255 registers, so at most 2 fit on a multiprocessor, too few loads in flight to stream
-    the weights; the split form's ~1000 short programs keep more in flight."""
+    the weights; the split form's ~1000 short programs keep more in flight. The sum kernel's C tile (16, 32, 128
+    against 64; perf12 call 5, bench/results/2026-12-03-h200-perf12) moved 1 row by -1.0 to +2.6 us and 8 rows by
+    +0.3 to +0.5, within the sweeps' spread: kept at 64."""
     if rows == 1:
         return MoEBlocks(block_c=256, num_stages=4)
     if rows <= 4:
