@@ -49,6 +49,15 @@ the looped form waits on each row's loads in turn (8.8 us a layer for 8 rows aga
 decode's one, perf5 call 5; 7.7 unrolled, perf6 call 2). Both forms run the same ``_row_step``, so
 the state and o have the same bits either way.
 
+Tried and dropped (bench/results/2026-12-03-h200-perf12, every GDN layer's verify in one graph at the 35B-A3B
+shapes, against this loop's 8.90 / 11.05 / 38.1 us a layer at 1 / 4 / 16 requests): the rows as one chunk, with
+no state carried from row to row. As fp32 products (the reference's chunked form, ``(I + A)^{-1}`` as a product
+of ``I + A^(2^m)``): 8.74 / 15.6 / 51.0 us at the best tiles, 100-1400 us at others (the fp32 dots spill). By
+forward substitution on the corrections (the reductions over Dk all independent): 10.35 / 14.8 / 39.6. An ncu
+profile says why: at one request the 256 one-warp programs leave each multiprocessor two warps, each issuing
+its own instruction stream (an instruction per 4.4 cycles, 5% of DRAM bandwidth); taking work off the chain
+adds no warps.
+
 The commit's replay runs :func:`delta_rule_step` on the same ``[DK_PAD, block_v]`` tiles
 (``default_block_v``) with ``NUM_WARPS`` warps, so ``tl.sum`` reduces in the same order and the
 replayed state is bit for bit the state this kernel reached after the same rows.
