@@ -189,6 +189,36 @@ def pdl_ab(layers, gen: torch.Generator, rows_list: list[int], rounds: int = 5) 
     return results
 
 
+BLOCKS_AB = {  # rows -> the candidates --blocks-ab sets beside default_blocks(rows), from a sweep that favoured them
+    1: [MoEBlocks(block_i=16, block_c=64, num_stages=4, **SPLIT)],  # perf12 call 5: 20.7 against 22.3 us a layer
+}
+
+
+def blocks_ab(layers, gen: torch.Generator, rows: int, rounds: int = 7) -> list[dict]:
+    """The default blocks against each of :data:`BLOCKS_AB`'s candidates at one row count: one graph a variant,
+    replayed in interleaved rounds (A B, A B, ...) so drift in the machine lands on all alike; the median of the
+    rounds' medians, and each variant's error against the torch form (the forms round differently, within NUMERIC)."""
+    inputs = [make_inputs(rows, gen) for _ in layers]
+    args = [(x, ids, w, gu, dn) for (x, ids, w), (gu, dn) in zip(inputs, layers)]
+    distinct = sum(int(torch.unique(ids).numel()) for _, ids, _ in inputs) / len(layers)
+    floor_us = distinct * EXPERT_BYTES / NOMINAL_BW * 1e6
+    reference = moe_experts_torch(*args[0])
+    variants = [default_blocks(rows), *BLOCKS_AB[rows]]
+    graphs = [capture(lambda b=b: [moe_experts_triton(*a, blocks=b) for a in args]) for b in variants]
+    times: list[list[float]] = [[] for _ in variants]
+    for _ in range(rounds):
+        for i, graph in enumerate(graphs):
+            times[i].append(do_bench(graph.replay, warmup=10, rep=40, return_mode="median") * 1e3 / len(layers))
+    results = []
+    for i, blocks in enumerate(variants):
+        us = sorted(times[i])[len(times[i]) // 2]
+        error = rms_rel(moe_experts_triton(*args[0], blocks=blocks), reference)
+        results.append({"rows": rows, "variant": "default" if i == 0 else f"candidate {i}", "blocks": asdict(blocks),
+                        "graph_us": us, "rounds_us": times[i], "fraction_of_floor": floor_us / us,
+                        "rms_rel_vs_torch": error, "numeric_ok": error <= 2e-2})
+    return results
+
+
 def profile(layers, gen: torch.Generator) -> list[dict]:
     """GPU time per kernel (CUPTI, eager calls): what each of the two kernels costs."""
     rows_out = []
@@ -214,6 +244,8 @@ def main() -> None:
     parser.add_argument("--profile-only", action="store_true", help="only the per-kernel profile (profile)")
     parser.add_argument("--pdl-ab", default=None,
                         help="comma-separated row counts: only the PDL on / off A/B at those (pdl_ab)")
+    parser.add_argument("--blocks-ab", default=None, type=int,
+                        help="a row count of BLOCKS_AB: only its default / candidate A/B (blocks_ab)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe.py needs CUDA")
@@ -230,6 +262,9 @@ def main() -> None:
         only = set()
     if args.pdl_ab is not None:  # the A/B alone (with --sweep-only, that sweep too)
         results["pdl_ab"] = pdl_ab(layers, gen, [int(r) for r in args.pdl_ab.split(",")])
+        only = only or set()
+    if args.blocks_ab is not None:
+        results["blocks_ab"] = blocks_ab(layers, gen, args.blocks_ab)
         only = only or set()
     for rows in ROWS if only is None else ():
         results["rows"].append(bench_rows(rows, layers, gen, bandwidth))
@@ -255,6 +290,10 @@ def main() -> None:
               + ("" if r["bitwise_equal_to_pdl_off"] else "  BITS DIFFER"))
     for p in results.get("profile", []):
         print(f"profile N={p['rows']:<4} {p['kernel'][:40]:40s} {p['us_per_layer']:8.1f} us/layer")
+    for r in results.get("blocks_ab", []):
+        print(f"blocks_ab N={r['rows']:<4} {r['variant']:12s} {r['graph_us']:8.1f} us/layer  "
+              f"{100 * r['fraction_of_floor']:5.1f}% of floor  rounds {' '.join(f'{t:.1f}' for t in r['rounds_us'])}"
+              f"  rms_rel {r['rms_rel_vs_torch']:.1e}  {r['blocks']}")
     for s in results.get("sweep", []):
         b = s["blocks"]
         form = f"split d{b['block_d']}" if b.get("split") else "fused"
