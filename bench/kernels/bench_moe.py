@@ -14,6 +14,9 @@ graph replay bitwise equal to eager. A short sweep of block sizes at N in {1, 4,
 per-kernel profile follow. Bandwidth: the nominal 4.25e12 B/s and a device-to-device copy measured here.
 
     PYTHONPATH=/tmp/pkg python3 bench/kernels/bench_moe.py --out result.json     # from the repo root
+
+``--sweep-only N,..`` runs the sweep alone; ``--pdl-ab N,..`` PDL off / on and ``--blocks-ab N`` the default blocks
+against ``BLOCKS_AB[N]``'s candidates, each in interleaved rounds of CUDA-graph replays.
 """
 
 from __future__ import annotations

@@ -92,7 +92,10 @@ def default_blocks(rows: int) -> MoEBlocks:
     programs need 255 registers, so at most 2 fit on a multiprocessor, too few loads in flight to stream
     the weights; the split form's ~1000 short programs keep more in flight. The sum kernel's C tile (16, 32, 128
     against 64; perf12 call 5, bench/results/2026-12-03-h200-perf12) moved 1 row by -1.0 to +2.6 us and 8 rows by
-    +0.3 to +0.5, within the sweeps' spread: kept at 64."""
+    +0.3 to +0.5, within the sweeps' spread: kept at 64. At 1 row the split form with I tiles of 16 and a 4-stage
+    pipeline took 20.8 against 22.5 us a layer in every round of an interleaved A/B (perf12 call 6,
+    ``bench_moe.py --blocks-ab 1``), but the engine's decode step measured no faster with it (its wall time is the
+    host's, ~160 us ahead of the GPU): kept out until the decode step is GPU-bound."""
     if rows == 1:
         return MoEBlocks(block_c=256, num_stages=4)
     if rows <= 4:
