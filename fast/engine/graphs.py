@@ -239,8 +239,12 @@ class CapturedStep:
     def __init__(self, inputs: StaticInputs, fn: Callable[[dict[str, Tensor]], object], device: torch.device,
                  mempool, pool_replays: list[int] | None = None) -> None:
         self.inputs, self.fn = inputs, fn
-        self.ends = 0  # replays that ran the step's end (stop None), a diagnostic's too (StepGraphs trusts only its own)
+        self.ends = 0  # replays that ran the step's end (stop None), a diagnostic's too; StepGraphs trusts its own
         self.pool_replays = pool_replays  # every replay of the graphs sharing this step's memory pool, counted
+        # the pinned copy of the output, and the event that says it has landed, for a step that launches the next
+        # proposal before it reads (StepGraphs._read_proposing_ahead makes them on first use)
+        self.result: Tensor | None = None
+        self.result_ready: torch.cuda.Event | None = None
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.marks: dict[str, int] = {}  # a named graph_cut -> the graphs captured before it
         if device.type != "cuda":
@@ -526,7 +530,6 @@ class StepGraphs(_KeyedGraphs):
             return torch.cat([num_accepted[:, None], emitted], dim=1)  # [B, 1 + R]: one read of both
 
         step = CapturedStep(inputs, step_fn, self.device, self.mempool, self.pool_replays)
-        step.result = None  # the pinned copy of the output a step proposing ahead reads (_read_proposing_ahead)
         self.graphs[key] = step
         return step
 

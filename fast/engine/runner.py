@@ -302,15 +302,16 @@ class ModelRunner:
         rows = k + 1
         anchors = [r.anchor_position for r in reqs]
         held = max(len(r.pages) for r in reqs)
-        pages = max(held, -(-(max(anchors) + rows) // self.page_size))
-        key = self.step_graphs.key_for(len(reqs), rows, pages, True)
+
+        def key_through(positions: int) -> GraphKey | None:  # the bucket of pages covering max(anchors) + positions
+            return self.step_graphs.key_for(len(reqs), rows, max(held, -(-(max(anchors) + positions)
+                                                                         // self.page_size)), True)
+        key = key_through(rows)
         if key is None:
             return None
         # after this step (at most k + 1 tokens) each request still has k + 1 to go, and the pages the next
         # one can need (anchor + 2 (k + 1) positions) fit the same page bucket
-        ahead = (all(r.max_new_tokens - len(r.output_ids) - rows > k for r in reqs)
-                 and self.step_graphs.key_for(len(reqs), rows, max(held, -(-(max(anchors) + 2 * rows)
-                                                                            // self.page_size)), True) == key)
+        ahead = all(r.max_new_tokens - len(r.output_ids) - rows > k for r in reqs) and key_through(2 * rows) == key
         params = [r.params for r in reqs]
         simulated = self.simulated_accept is not None  # a serving step's graph has no keep merge (GraphKey)
         key = replace(key, sampling=graph_summary(params), simulated=simulated)
