@@ -82,6 +82,15 @@ def make_inputs(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Te
     return x, expert_ids, top_probs / top_probs.sum(dim=-1, keepdim=True)
 
 
+def routed_case(rows: int, layers, gen: torch.Generator) -> tuple[list[tuple], float, float]:
+    """Every layer's call arguments at ``rows`` rows (its own routing over its own weights), the distinct experts
+    a layer chose on average, and the floor of their bytes at the nominal bandwidth (us a layer)."""
+    inputs = [make_inputs(rows, gen) for _ in layers]
+    args = [(x, ids, w, gu, dn) for (x, ids, w), (gu, dn) in zip(inputs, layers)]
+    distinct = sum(int(torch.unique(ids).numel()) for _, ids, _ in inputs) / len(layers)
+    return args, distinct, distinct * EXPERT_BYTES / NOMINAL_BW * 1e6
+
+
 def capture(fn) -> torch.cuda.CUDAGraph:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -95,11 +104,7 @@ def capture(fn) -> torch.cuda.CUDAGraph:
 
 
 def bench_rows(rows: int, layers, gen: torch.Generator, bandwidth: float) -> dict:
-    inputs = [make_inputs(rows, gen) for _ in layers]
-    args = [(x, ids, w, gu, dn) for (x, ids, w), (gu, dn) in zip(inputs, layers)]
-    distinct = sum(int(torch.unique(ids).numel()) for _, ids, _ in inputs) / len(layers)
-    floor_us = distinct * EXPERT_BYTES / NOMINAL_BW * 1e6
-
+    args, distinct, floor_us = routed_case(rows, layers, gen)
     eager = [moe_experts_triton(*a) for a in args]
     again = [moe_experts_triton(*a) for a in args]
     reference = [moe_experts_torch(*a) for a in args]
@@ -137,10 +142,7 @@ def sweep(layers, gen: torch.Generator, only_rows: set[int] | None = None) -> li
     for rows, configs in SWEEP.items():
         if only_rows is not None and rows not in only_rows:
             continue
-        inputs = [make_inputs(rows, gen) for _ in layers]
-        args = [(x, ids, w, gu, dn) for (x, ids, w), (gu, dn) in zip(inputs, layers)]
-        distinct = sum(int(torch.unique(ids).numel()) for _, ids, _ in inputs) / len(layers)
-        floor_us = distinct * EXPERT_BYTES / NOMINAL_BW * 1e6
+        args, _, floor_us = routed_case(rows, layers, gen)
         reference = moe_experts_torch(*args[0])
         for blocks in [default_blocks(rows), *configs]:
             error = rms_rel(moe_experts_triton(*args[0], blocks=blocks), reference)
@@ -157,10 +159,7 @@ def pdl_ab(layers, gen: torch.Generator, rows_list: list[int], rounds: int = 5) 
     median of the rounds' medians, and whether the variants' outputs are bitwise equal."""
     results = []
     for rows in rows_list:
-        inputs = [make_inputs(rows, gen) for _ in layers]
-        args = [(x, ids, w, gu, dn) for (x, ids, w), (gu, dn) in zip(inputs, layers)]
-        distinct = sum(int(torch.unique(ids).numel()) for _, ids, _ in inputs) / len(layers)
-        floor_us = distinct * EXPERT_BYTES / NOMINAL_BW * 1e6
+        args, _, floor_us = routed_case(rows, layers, gen)
         variants = {"pdl off": "0", "pdl on": "1"}
         graphs, outs = {}, {}
         saved = os.environ.get("DFLASH2_PDL")
@@ -201,10 +200,7 @@ def blocks_ab(layers, gen: torch.Generator, rows: int, rounds: int = 7) -> list[
     """The default blocks against each of :data:`BLOCKS_AB`'s candidates at one row count: one graph a variant,
     replayed in interleaved rounds (A B, A B, ...) so drift in the machine lands on all alike; the median of the
     rounds' medians, and each variant's error against the torch form (the forms round differently, within NUMERIC)."""
-    inputs = [make_inputs(rows, gen) for _ in layers]
-    args = [(x, ids, w, gu, dn) for (x, ids, w), (gu, dn) in zip(inputs, layers)]
-    distinct = sum(int(torch.unique(ids).numel()) for _, ids, _ in inputs) / len(layers)
-    floor_us = distinct * EXPERT_BYTES / NOMINAL_BW * 1e6
+    args, _, floor_us = routed_case(rows, layers, gen)
     reference = moe_experts_torch(*args[0])
     variants = [default_blocks(rows), *BLOCKS_AB[rows]]
     graphs = [capture(lambda b=b: [moe_experts_triton(*a, blocks=b) for a in args]) for b in variants]
