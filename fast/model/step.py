@@ -4,7 +4,9 @@ Rows stay token-major ``[N, ...]`` at every layer boundary. The torch ops regrou
 into a padded per-sequence layout ``[B, Tq, ...]`` (Tq = ``max_query_len``): row n sits at
 ``[seq_index[n], row_in_seq[n]]``. Each sequence's K/V context is gathered through its block table
 into ``[B, Tctx]`` flat slots with ``Tctx = max_pages * page_size`` (a static width: no device
-sync), ``kv_valid`` marking the slots below ``context_lens``. Key t of a sequence sits at position
+sync), ``kv_valid`` marking the slots below ``context_lens``; those two and ``query_positions`` serve
+only that torch form, so they are built on first use: a CUDA step never reads them, and its graph
+would otherwise replay their ~15 small kernels every step. Key t of a sequence sits at position
 t, so a row at position p sees keys ``t <= p``. The paged-attention kernel reads the pages itself
 (``block_tables``, ``context_lens``, ``page_size``), with no gather. A padding sequence
 (``state_slots`` -1) has ``context_lens`` 0 here, whatever the batch says: its rows see no key.
@@ -36,15 +38,13 @@ class StepMeta:
     seq_index: Tensor  # [N] long: the sequence of each row
     row_in_seq: Tensor  # [N] long: the row's index within its sequence in this step
     positions: Tensor  # [N] long
-    query_positions: Tensor  # [B, Tq] long: row positions per sequence, -1 past its rows
     zero_state: Tensor  # [B] bool: starts from the zero GDN state
     state_index: Tensor  # [B] long: GDN slot read and written (trash slot for padding sequences)
     kv_write_index: Tensor  # [N] long: flat K/V row written (trash row for padding rows)
-    kv_gather: Tensor  # [B, Tctx] long: flat K/V slot of context position t
-    kv_valid: Tensor  # [B, Tctx] bool: t < context_lens[b] and its page exists
     block_tables: Tensor  # [B, P] int32: the pages of each sequence in order, -1 past its end
     context_lens: Tensor  # [B] int32: keys in each sequence's K/V after this step's writes (0: padding)
     page_size: int
+    num_kv_slots: int  # flat K/V slots of the pools; kv_gather points padding slots here (the trash row)
     rope_cos: Tensor  # [N, rd/2] fp32
     rope_sin: Tensor  # [N, rd/2] fp32
 
@@ -61,26 +61,42 @@ class StepMeta:
         seq_index = torch.searchsorted(cu_seqlens[1:], rows, right=True)  # [N]
         row_in_seq = rows - cu_seqlens[seq_index]  # [N]
         positions = batch.positions.long()
-        query_positions = torch.full((num_seqs, max_query_len), -1, dtype=torch.long, device=device)
-        query_positions[seq_index, row_in_seq] = positions
-
-        page_size = pools.page_size
-        block_tables = batch.block_tables.long()  # [B, max_pages]
         context_lens = torch.where(batch.state_slots < 0, 0, batch.context_lens).to(torch.int32)  # [B]
-        context = torch.arange(block_tables.shape[1] * page_size, device=device)  # [Tctx]
-        pages = block_tables[:, context // page_size]  # [B, Tctx]
-        kv_valid = (context[None, :] < context_lens[:, None]) & (pages >= 0)
-        kv_gather = torch.where(kv_valid, pages * page_size + context % page_size, pools.num_kv_slots)
-
         rope_cos, rope_sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
         return cls(
             num_seqs=num_seqs, max_query_len=max_query_len, is_verify=batch.is_verify, cu_seqlens=cu_seqlens,
             seq_lens=seq_lens, seq_index=seq_index, row_in_seq=row_in_seq, positions=positions,
-            query_positions=query_positions, zero_state=zero_state_mask(batch),
-            state_index=pools.state_index(batch.state_slots),
-            kv_write_index=pools.kv_write_index(batch.kv_slot_mapping), kv_gather=kv_gather, kv_valid=kv_valid,
-            block_tables=batch.block_tables.to(torch.int32), context_lens=context_lens, page_size=page_size,
-            rope_cos=rope_cos, rope_sin=rope_sin)
+            zero_state=zero_state_mask(batch), state_index=pools.state_index(batch.state_slots),
+            kv_write_index=pools.kv_write_index(batch.kv_slot_mapping),
+            block_tables=batch.block_tables.to(torch.int32), context_lens=context_lens, page_size=pools.page_size,
+            num_kv_slots=pools.num_kv_slots, rope_cos=rope_cos, rope_sin=rope_sin)
+
+    @cached_property
+    def query_positions(self) -> Tensor:
+        """Row positions per sequence, -1 past its rows  # [B, Tq] long (torch attention only, built on first use)."""
+        out = torch.full((self.num_seqs, self.max_query_len), -1, dtype=torch.long, device=self.positions.device)
+        out[self.seq_index, self.row_in_seq] = self.positions
+        return out
+
+    @cached_property
+    def kv_gather(self) -> Tensor:
+        """Flat K/V slot of context position t, ``num_kv_slots`` (the trash row) where not
+        ``kv_valid``  # [B, Tctx] long (torch attention only, built on first use)."""
+        context = self._context_positions
+        pages = self.block_tables.long()[:, context // self.page_size]  # [B, Tctx]
+        return torch.where(self.kv_valid, pages * self.page_size + context % self.page_size, self.num_kv_slots)
+
+    @cached_property
+    def kv_valid(self) -> Tensor:
+        """t < context_lens[b] and its page exists  # [B, Tctx] bool (torch attention only, built on first use)."""
+        context = self._context_positions
+        pages = self.block_tables[:, context // self.page_size]  # [B, Tctx]
+        return (context[None, :] < self.context_lens[:, None]) & (pages >= 0)
+
+    @property
+    def _context_positions(self) -> Tensor:
+        """0 .. Tctx - 1, Tctx = max_pages * page_size  # [Tctx] long."""
+        return torch.arange(self.block_tables.shape[1] * self.page_size, device=self.block_tables.device)
 
     @cached_property
     def readable_state_index(self) -> Tensor:
