@@ -181,6 +181,18 @@ def test_dispatch_sends_decode_and_verify_steps_to_the_kernel(monkeypatch):
     assert calls == ["triton", "triton", "triton", "torch"]
 
 
+def test_step_meta_builds_the_torch_forms_fields_on_first_use():
+    """A step that the kernel serves never builds kv_gather, kv_valid or query_positions (a CUDA graph would
+    replay their kernels every step); the torch form builds them when it reads them, from the step's fields."""
+    case = make_case([45, 7], [5, 1], 16, 8, seed=5, pad_rows=0)
+    meta = StepMeta.build(case.batch, case.pools)
+    lazy = ("kv_gather", "kv_valid", "query_positions")
+    assert not set(lazy) & set(vars(meta))
+    paged_attention_torch(case.q, case.key_cache, case.value_cache, meta)
+    assert set(lazy) <= set(vars(meta))
+    assert meta.query_positions.tolist() == [[45 - 5 + i for i in range(5)], [7 - 1, -1, -1, -1, -1]]
+
+
 def test_refusals():
     case = make_case([20], [2], 16, 8, seed=0, pad_rows=0)
     b = case.batch
