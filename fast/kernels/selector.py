@@ -208,10 +208,43 @@ def _merge_topk_kernel(key_ptr, out_key_ptr, cand_ptr, unary_ptr, logits_ptr, st
 
 
 @triton.jit
+def _project_kernel(hidden_ptr, stride_hb, stride_hs, stride_hc, proj_ptr, stride_p, out_ptr, K: tl.constexpr,
+                    K_PAD: tl.constexpr, RANK: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    """Program (b, t): g[b, i, n] = sum_c P[n, c] h[b, i + 1, c] for the k slots i and BLOCK_R columns
+    n = t*BLOCK_R .., in fp32 (h ``[B, S, C]`` and P ``[RANK, C]`` in their dtypes, converted exactly), into g
+    ``[B, k, RANK]`` contiguous. Each program reads its slice of P once for all k rows, and all of C: no split
+    to sum, so one fixed order (a [K_PAD, BLOCK_R, BLOCK_C] fp32 accumulator over C in BLOCK_C steps, then one
+    tree over its lanes) and no float atomic; request b's g reads request b's rows only, whatever B is."""
+    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    i = tl.arange(0, K_PAD)
+    c = tl.arange(0, BLOCK_C)
+    h_rows = hidden_ptr + b.to(tl.int64) * stride_hb + (i[:, None, None] + 1) * stride_hs  # [K_PAD, 1, 1]
+    p_rows = proj_ptr + n[None, :, None] * stride_p  # [1, BLOCK_R, 1]
+    in_i = (i < K)[:, None, None]
+    in_n = (n < RANK)[None, :, None]
+    acc = tl.zeros([K_PAD, BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for c0 in range(0, HIDDEN, BLOCK_C):
+        cc = c0 + c[None, None, :]
+        in_c = cc < HIDDEN
+        h = tl.load(h_rows + cc * stride_hc, mask=in_i & in_c, other=0.0).to(tl.float32)  # [K_PAD, 1, BLOCK_C]
+        w = tl.load(p_rows + cc, mask=in_n & in_c, other=0.0).to(tl.float32)  # [1, BLOCK_R, BLOCK_C]
+        acc += h * w
+    g = tl.sum(acc, axis=2)  # [K_PAD, BLOCK_R]
+    tl.store(out_ptr + (b * K + i[:, None]) * RANK + n[None, :], g, mask=(i < K)[:, None] & (n < RANK)[None, :])
+
+
+@triton.jit
 def _walk_kernel(cand_ptr, unary_ptr, proj_ptr, pred_ptr, succ_ptr, anchor_tok_ptr, temperature_ptr, greedy_ptr,
                  seed_ptr, anchor_pos_ptr, tokens_ptr, probs_ptr, sigma_ptr, K: tl.constexpr, K_PAD: tl.constexpr,
                  KSEL: tl.constexpr, KSEL_PAD: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
                  PDL: tl.constexpr):
+    """Program b: the k slots of request b in order. C_i, U_i ``[B, k, KSEL]``, g ``[B, k, RANK]`` fp32 (rows
+    contiguous); codebooks A, Bc ``[V, RANK]`` (rows contiguous) -> y ``[B, k]``, q and sigma ``[B, k, KSEL]``."""
     if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -220,23 +253,30 @@ def _walk_kernel(cand_ptr, unary_ptr, proj_ptr, pred_ptr, succ_ptr, anchor_tok_p
     in_k = lanes < KSEL
     rk = tl.arange(0, RANK_PAD)
     in_r = rk < RANK
+    tile_mask = in_k[:, None] & in_r[None, :]
     greedy = tl.load(greedy_ptr + b) != 0
     temperature = tl.where(greedy, 1.0, tl.load(temperature_ptr + b))
     seed = tl.load(seed_ptr + b)
     anchor_pos = tl.load(anchor_pos_ptr + b)
-    prev = tl.load(anchor_tok_ptr + b)
     slots = tl.arange(0, K_PAD)
     uniforms = philox_uniform(seed, anchor_pos + 0 * slots, _SELECTOR, slots + 1).to(tl.float64)  # u_1..u_k
-    # slot i's candidates, unaries, g and successor rows do not depend on y_{i-1}: slot i issues slot i+1's loads
-    # (the ids with its own A[y_{i-1}] gather, their Bc rows once its stores are out), so each slot waits on
-    # about one memory latency where the chain C_i -> Bc[C_i] and A[y_{i-1}] cost two
+    # No load of the walk depends on a pick: slot i issues slot i+1's loads (the ids, their unaries and g, and
+    # once its stores are out the ids' Bc rows and A rows, two [KSEL, RANK] tiles), and after its pick takes
+    # A[y_i] = A[C_i[j*]] out of the A tile it already holds. Reading A[y_i] from memory after the pick put
+    # one dependent global load on every slot's chain (the walk took 16.2 us at k = 7 on an H200); the tile
+    # reads KSEL rows of A a slot for the one used, as many bytes as the Bc rows beside it.
     cand = tl.load(cand_ptr + b * K * KSEL + lanes, mask=in_k, other=0)
     unary = tl.load(unary_ptr + b * K * KSEL + lanes, mask=in_k, other=0.0)
     g = tl.load(proj_ptr + b * K * RANK + rk, mask=in_r, other=0.0)
-    succ = tl.load(succ_ptr + cand[:, None] * RANK + rk[None, :], mask=in_k[:, None] & in_r[None, :], other=0.0)
+    succ = tl.load(succ_ptr + cand[:, None] * RANK + rk[None, :], mask=tile_mask, other=0.0)
+    pred_tile = tl.load(pred_ptr + cand[:, None] * RANK + rk[None, :], mask=tile_mask, other=0.0)
+    # A[y_0] (the anchor) before the loop; A[0], the row the chain read when a pick is not a real lane (-1 or
+    # KSEL_PAD from NaN scores, whose token is 0), so the picked row below is the chain's in every case
+    pred_row = tl.load(pred_ptr + tl.load(anchor_tok_ptr + b) * RANK + rk, mask=in_r, other=0.0).to(tl.float32)
+    row_zero = tl.load(pred_ptr + rk, mask=in_r, other=0.0).to(tl.float32)
     for i in range(K):
         row = b * K + i
-        pred = tl.load(pred_ptr + prev * RANK + rk, mask=in_r, other=0.0).to(tl.float32) * g
+        pred = pred_row * g
         more = i + 1 < K
         next_cand = tl.load(cand_ptr + (row + 1) * KSEL + lanes, mask=in_k & more, other=0)
         next_unary = tl.load(unary_ptr + (row + 1) * KSEL + lanes, mask=in_k & more, other=0.0)
@@ -255,11 +295,18 @@ def _walk_kernel(cand_ptr, unary_ptr, proj_ptr, pred_ptr, succ_ptr, anchor_tok_p
         pick = tl.where(greedy, tl.min(tl.where(sigma == top, lanes, KSEL_PAD), axis=0), drawn)
         q = tl.where(greedy, tl.where(lanes == pick, 1.0, 0.0), q)
         prev = tl.sum(tl.where(lanes == pick, cand, 0), axis=0)
+        # A[y_i]: row j* of the tile, selected on the fp32 BITS (an int32 sum of one row and zeros), so it is
+        # exactly the loaded values; a float sum would be too but for -0.0 + 0.0 = +0.0, which could flip the
+        # sign of a zero sigma. The lanes past KSEL hold zeros, not A[0]: those picks take row_zero.
+        tile_bits = pred_tile.to(tl.float32).to(tl.int32, bitcast=True)
+        picked = tl.sum(tl.where(lanes[:, None] == pick, tile_bits, 0), axis=0).to(tl.float32, bitcast=True)
+        pred_row = tl.where((pick >= 0) & (pick < KSEL), picked, row_zero)
         tl.store(tokens_ptr + row, prev)
         tl.store(probs_ptr + row * KSEL + lanes, q, mask=in_k)
         tl.store(sigma_ptr + row * KSEL + lanes, sigma, mask=in_k)
-        succ = tl.load(succ_ptr + next_cand[:, None] * RANK + rk[None, :], mask=(in_k & more)[:, None] & in_r[None, :],
-                       other=0.0)
+        next_mask = (in_k & more)[:, None] & in_r[None, :]
+        succ = tl.load(succ_ptr + next_cand[:, None] * RANK + rk[None, :], mask=next_mask, other=0.0)
+        pred_tile = tl.load(pred_ptr + next_cand[:, None] * RANK + rk[None, :], mask=next_mask, other=0.0)
         cand, unary, g = next_cand, next_unary, next_g
 
 
@@ -307,6 +354,37 @@ def top_candidates_triton(logits: Tensor, top_k: int, block_v: int | None = None
     return unary, cand_ids
 
 
+def project_triton(hidden: Tensor, projection: Tensor, k: int, block_r: int = 16,
+                   block_c: int | None = None) -> Tensor:
+    """g = h P^T for the walk's k slots: ``hidden[:, 1:k + 1].float() @ projection.float().T`` by one kernel
+    (fp32 accumulation; it differs from the torch product only in the order of the sums)  # hidden [B, S, C]
+    (any strides, read in place), projection [r, C] (any float dtype) -> [B, k, r] fp32 contiguous.
+
+    One program per request and ``block_r`` columns of g: at the released shape (B = 1, k = 7, r = 256,
+    C = 2048) 16 programs, each reading 64 KiB of a bf16 P and the 28 KiB of h, where the torch form took an
+    fp32 copy of h, a SIMT sgemm and a split-K reduce (13.4 us on an H200). ``block_c`` defaults to keep the
+    [K_PAD, block_r, block_c] accumulator at 8192 fp32 (64 a thread of 4 warps)."""
+    batch, rows, hidden_size = hidden.shape
+    rank = projection.shape[0]
+    if projection.shape[1] != hidden_size:
+        raise ValueError(f"projection {list(projection.shape)}: expected [r, {hidden_size}] for hidden "
+                         f"{list(hidden.shape)}")
+    if not 1 <= k <= rows - 1:
+        raise ValueError(f"k={k}: expected 1 .. {rows - 1} (hidden rows 1 .. k)")
+    out = torch.empty((batch, k, rank), dtype=torch.float32, device=hidden.device)
+    if out.numel() == 0:
+        return out
+    projection = projection if projection.stride(-1) == 1 else projection.contiguous()
+    k_pad = triton.next_power_of_2(k)
+    block_r = min(block_r, triton.next_power_of_2(rank))
+    block_c = block_c or max(16, min(triton.next_power_of_2(hidden_size), 8192 // (k_pad * block_r)))
+    _project_kernel[(batch, triton.cdiv(rank, block_r))](
+        hidden, hidden.stride(0), hidden.stride(1), hidden.stride(2), projection, projection.stride(0), out, K=k,
+        K_PAD=k_pad, RANK=rank, HIDDEN=hidden_size, BLOCK_R=block_r, BLOCK_C=block_c,
+        PDL=pdl_enabled(hidden.device), num_warps=4, **launch_options(hidden.device))
+    return out
+
+
 def select_triton(draft_logits: Tensor, hidden: Tensor, projection: Tensor, predecessor_codebook: Tensor,
                   successor_codebook: Tensor, anchor_tokens: Tensor, k: int, top_k: int, temperature: Tensor,
                   greedy: Tensor, seeds: Tensor, anchor_positions: Tensor, block_v: int | None = None) -> SelectorBatch:
@@ -321,7 +399,7 @@ def select_triton(draft_logits: Tensor, hidden: Tensor, projection: Tensor, pred
     unary, cand_ids = top_candidates_triton(draft_logits[:, :k], top_k, block_v)
     if batch == 0:
         return SelectorBatch(tokens, cand_ids, probs, sigma)
-    projected = (hidden[:, 1:k + 1].float() @ projection.float().T).contiguous()  # [B, k, r]
+    projected = project_triton(hidden, projection, k)  # [B, k, r] fp32: g_i = P h_i
     # greedy goes in as it comes (bool): the kernel reads it as != 0, so no int8 copy is launched
     _walk_kernel[(batch,)](cand_ids, unary, projected, predecessor_codebook.contiguous(),
                            successor_codebook.contiguous(), anchor_tokens.to(torch.int64).contiguous(),
