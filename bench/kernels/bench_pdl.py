@@ -44,7 +44,7 @@ from dflash2.fast.kernels.conv_finish_norm import conv_finish_norm_triton
 from dflash2.fast.kernels.dynamic_conv import grouped_dynamic_conv_triton
 from dflash2.fast.kernels.pdl import pdl_enabled
 from dflash2.fast.kernels.ring_attention import launch_plan, ring_attention_triton
-from dflash2.fast.kernels.skinny_linear import H200_TUNED, skinny_linear_triton
+from dflash2.fast.kernels.skinny_linear import H200_TUNED, SkinnyConfig, skinny_linear_triton
 from dflash2.fast.kernels.tickets import MAX_COUNTERS, ticket_counters
 
 C, H, HKV, D, INTER, TAPS, GROUP, WINDOW, CAPACITY = 2048, 16, 4, 128, 5632, 2, 16, 2048, 2112
@@ -92,16 +92,44 @@ def make_layers(gen: torch.Generator) -> list[dict]:
             for _ in range(LAYERS)]
 
 
-def make_chain(layers: list[dict], gemms: bool, gen: torch.Generator):
-    """The 8-layer chain as a function of no arguments returning its outputs (for capture_graph)."""
-    kp_cfg = H200_TUNED[(2 * TAPS * C // GROUP, C, False)][1]
-    gate_up_cfg, down_cfg = H200_TUNED[(INTER, C, True)][1], H200_TUNED[(C, INTER, False)][1]
-    x0 = torch.randn(1, ROWS, C, device="cuda", generator=gen).bfloat16()
-    u0 = torch.randn(1, ROWS, C, device="cuda", generator=gen).bfloat16()
+# (N, K, swiglu) -> config: the draft's GEMMs as main ran them before perf13 (q|k|v and o in cuBLAS, no prefetch)
+PERF12_CONFIGS = {(2 * TAPS * C // GROUP, C, False): SkinnyConfig(block_n=16, block_k=128, split_k=8),
+                  (INTER, C, True): SkinnyConfig(block_n=32, block_k=128),
+                  (C, INTER, False): SkinnyConfig(block_n=32, block_k=128, split_k=4)}
+
+
+def engine_configs() -> dict:
+    """(N, K, swiglu) -> the config the engine's dispatch takes at 8 rows (H200_TUNED), None where it is cuBLAS."""
+    shapes = [(2 * TAPS * C // GROUP, C, False), ((H + 2 * HKV) * D, C, False), (C, H * D, False), (INTER, C, True),
+              (C, INTER, False)]
+    return {shape: (H200_TUNED[shape][1] if shape in H200_TUNED and ROWS <= H200_TUNED[shape][0] else None)
+            for shape in shapes}
+
+
+def make_inputs(gen: torch.Generator) -> dict:
     angles = torch.rand(ROWS, D // 2, device="cuda", generator=gen) * 100
-    cos, sin = angles.cos(), angles.sin()
+    return dict(x0=torch.randn(1, ROWS, C, device="cuda", generator=gen).bfloat16(),
+                u0=torch.randn(1, ROWS, C, device="cuda", generator=gen).bfloat16(), cos=angles.cos(),
+                sin=angles.sin())
+
+
+def make_chain(layers: list[dict], gemms: bool, gen: torch.Generator, configs: dict | None = None,
+               inputs: dict | None = None):
+    """The 8-layer chain as a function of no arguments returning its outputs (for capture_graph).
+
+    ``configs``: (N, K, swiglu) -> the skinny config of each GEMM, None for cuBLAS (default: ``engine_configs()``,
+    what the draft runs); ``inputs``: the chain's x, u, cos and sin (default: drawn from ``gen``)."""
+    configs = engine_configs() if configs is None else configs
+    kp_cfg = configs[(2 * TAPS * C // GROUP, C, False)]
+    gate_up_cfg, down_cfg = configs[(INTER, C, True)], configs[(C, INTER, False)]
+    qkv_cfg, o_cfg = configs.get(((H + 2 * HKV) * D, C, False)), configs.get((C, H * D, False))
+    inputs = make_inputs(gen) if inputs is None else inputs
+    x0, u0, cos, sin = inputs["x0"], inputs["u0"], inputs["cos"], inputs["sin"]
     slots = torch.zeros(1, dtype=torch.long, device="cuda")
     anchor = torch.full((1,), ANCHOR, dtype=torch.long, device="cuda")
+
+    def linear(a, w, cfg):
+        return a @ w.T if cfg is None else skinny_linear_triton(a, w, config=cfg)
 
     def prepare(u, kp, base):
         delta = skinny_linear_triton(u.view(ROWS, C), kp, config=kp_cfg).view(1, ROWS, 2, TAPS, C // GROUP)
@@ -109,10 +137,10 @@ def make_chain(layers: list[dict], gemms: bool, gen: torch.Generator):
 
     def layer(w, x, u):
         u, delta = prepare(u, w["attn_kp"], w["attn_base"])
-        qkv = (u.view(ROWS, C) @ w["qkv"].T).view(ROWS, H + 2 * HKV, D) if gemms else w["static_qkv"]
+        qkv = linear(u.view(ROWS, C), w["qkv"], qkv_cfg).view(ROWS, H + 2 * HKV, D) if gemms else w["static_qkv"]
         q, k = draft_qk_norm_rope_triton(qkv[:, :H], qkv[:, H:H + HKV], w["q_norm"], w["k_norm"], cos, sin, EPS)
         a = ring_attention_triton(q, k, qkv[:, H + HKV:], w["ring_k"], w["ring_v"], slots, anchor, WINDOW)
-        o = (a.view(ROWS, H * D) @ w["o"].T if gemms else a.view(ROWS, H * D)).view(1, ROWS, C)
+        o = (linear(a.view(ROWS, H * D), w["o"], o_cfg) if gemms else a.view(ROWS, H * D)).view(1, ROWS, C)
         x, u = conv_finish_norm_triton(o, w["attn_base"][1], delta[:, :, 1], GROUP, x, w["post_norm"], EPS,
                                        torch.bfloat16)
         u, delta = prepare(u, w["mlp_kp"], w["mlp_base"])
@@ -133,10 +161,11 @@ def make_chain(layers: list[dict], gemms: bool, gen: torch.Generator):
 
 
 def pdl_launches_per_layer() -> int:
-    """Our kernels in one layer: 4 skinny, 2 conv prepares, 2 finishes, the q/k prologue, the ring split and,
-    where the plan splits the window, its merge."""
+    """Our kernels in one layer: the skinny GEMMs (4, and q|k|v and o where the engine takes the kernel for them),
+    2 conv prepares, 2 finishes, the q/k prologue, the ring split and, where the plan splits the window, its merge."""
     merge = launch_plan(1, H, HKV, ROWS, D, WINDOW, cuda_device()).num_splits > 1
-    return 10 + int(merge)
+    skinny = sum(cfg is not None for cfg in engine_configs().values()) + 1  # the kernel projection runs twice
+    return 6 + skinny + int(merge)
 
 
 def replay_outputs(chain, on: bool) -> list[torch.Tensor]:
@@ -168,9 +197,60 @@ def bench_variant(name: str, chain, launches: int) -> dict:
             "bitwise_equal": equal, "counters_zero": zeros}
 
 
+@contextlib.contextmanager
+def prefetch_setting(on: bool):
+    """DFLASH2_PREFETCH for the launches inside (pdl.l2_prefetch_enabled reads it at every launch)."""
+    old = os.environ.get("DFLASH2_PREFETCH")
+    os.environ["DFLASH2_PREFETCH"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["DFLASH2_PREFETCH"]
+        else:
+            os.environ["DFLASH2_PREFETCH"] = old
+
+
+def bench_configs(layers: list[dict], gen: torch.Generator, rounds: int) -> list[dict]:
+    """PDL on, the layer chain with the GEMMs as main ran them before perf13 (PERF12_CONFIGS), with the engine's
+    configs but the L2 prefetch off (DFLASH2_PREFETCH=0), and as the engine runs them, in interleaved rounds.
+    The last two have the same tiles: their outputs must be equal bit for bit (a prefetch changes no value)."""
+    inputs = make_inputs(gen)
+    variants = {"perf12": (make_chain(layers, True, gen, PERF12_CONFIGS, inputs), True),
+                "engine, prefetch off": (make_chain(layers, True, gen, None, inputs), False),
+                "engine": (make_chain(layers, True, gen, None, inputs), True)}
+
+    def timed(chain, prefetch):
+        with prefetch_setting(prefetch):
+            return graph_replay_us(chain)
+
+    with pdl_setting(True):
+        outs = {}
+        for name, (chain, prefetch) in variants.items():
+            with prefetch_setting(prefetch):
+                outs[name] = replay_outputs(chain, True)
+        equal = all(torch.equal(a, b) for a, b in zip(outs["engine, prefetch off"], outs["engine"]))
+        times = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, (chain, prefetch) in variants.items():
+                times[name].append(timed(chain, prefetch))
+    rows = []
+    for name, us in times.items():
+        median = sorted(us)[len(us) // 2]
+        print(f"{name}: {median:8.2f} us ({median / LAYERS:6.2f} a layer; rounds {' '.join(f'{t:.1f}' for t in us)})",
+              flush=True)
+        rows.append({"variant": name, "us": median, "rounds_us": us, "layers": LAYERS})
+    print(f"the engine's outputs with and without the prefetch equal: {equal}", flush=True)
+    rows.append({"variant": "bitwise", "prefetch_equal": equal, "engine_configs": {
+        str(shape): (cfg.__dict__ if cfg else "cublas") for shape, cfg in engine_configs().items()}})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="where to write the JSON results")
+    parser.add_argument("--configs-ab", type=int, default=0, metavar="ROUNDS",
+                        help="instead: the layer chain with perf12's GEMM configs against the engine's (PDL on)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_pdl.py needs CUDA")
@@ -181,6 +261,15 @@ def main() -> None:
         print("PDL is not available here (compute capability < 9.0 or the interpreter): on equals off", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = make_layers(gen)
+    if args.configs_ab:
+        rows = bench_configs(layers, gen, args.configs_ab)
+        with open(args.out, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+                       "torch": torch.__version__, "triton": triton.__version__, "rows": rows,
+                       "seconds": time.perf_counter() - start}, f, indent=1)
+        if not rows[-1]["prefetch_equal"]:
+            raise SystemExit("the L2 prefetch changed an output")
+        return
     launches = LAYERS * pdl_launches_per_layer()
     rows = [bench_variant(name, make_chain(layers, gemms, gen), launches)
             for name, gemms in (("layer", True), ("triton", False))]

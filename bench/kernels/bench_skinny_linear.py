@@ -31,6 +31,7 @@ from dflash2.fast.kernels.skinny_linear import SkinnyConfig, default_config, ski
 from dflash2.fast.kernels.swiglu import swiglu_act_triton
 
 MIN_BYTES = 256 << 20
+PREFETCH_KS = (0, 512, 1 << 20)  # SkinnyConfig.prefetch_k: none, the first 512 K columns of a split, all
 
 SHAPES = [  # name, rows, N (outputs; I with swiglu), K, swiglu
     ("35b.kernel_proj", 8, 512, 2048, False), ("35b.qkv", 8, 3072, 2048, False), ("35b.o", 8, 2048, 2048, False),
@@ -45,7 +46,8 @@ SHAPES = [  # name, rows, N (outputs; I with swiglu), K, swiglu
 
 
 def configs_for(rows: int, n: int, k: int) -> list[SkinnyConfig]:
-    """Column tiles of 16 and 32, K steps of 128 and 256, split-K 1..16 where it keeps 64-2048 programs."""
+    """Column tiles of 16 and 32, K steps of 128 and 256, split-K 1..16 where it keeps 64-2048 programs, each
+    without the L2 prefetch of its weight slice, with it over the first 512 K columns, and over all of them."""
     out = []
     m_tiles = triton.cdiv(rows, 64)
     for block_n in (16, 32):
@@ -54,7 +56,8 @@ def configs_for(rows: int, n: int, k: int) -> list[SkinnyConfig]:
                 programs = triton.cdiv(n, block_n) * m_tiles * split
                 if k // split < block_k or not 64 <= programs <= 2048 and split > 1:
                     continue
-                out.append(SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split))
+                for prefetch_k in PREFETCH_KS:
+                    out.append(SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split, prefetch_k=prefetch_k))
     return out
 
 
@@ -90,7 +93,8 @@ def bench_shape(name, rows, n, k, swiglu, bandwidth, gen) -> list[dict]:
             continue
         us = graph_replay_us(lambda cfg=cfg: [skinny_linear_triton(x, w, swiglu, config=cfg) for w in weights], copies)
         tag = " (default)" if cfg == default else ""
-        print(f"  bn{cfg.block_n:<3d} bk{cfg.block_k:<4d} split{cfg.split_k:<3d}: {us:6.2f} us "
+        prefetch = f" pf{min(cfg.prefetch_k, 9999):<4d}" if cfg.prefetch_k else " " * 7
+        print(f"  bn{cfg.block_n:<3d} bk{cfg.block_k:<4d} split{cfg.split_k:<3d}{prefetch}: {us:6.2f} us "
               f"({100 * floor_us / us:4.1f}% of floor, {base_us / us:4.2f}x cuBLAS){tag}", flush=True)
         results.append({"shape": name, "rows": rows, "n": n, "k": k, "swiglu": swiglu, "impl": "skinny",
                         "config": cfg.__dict__, "default": cfg == default, "us": us, "floor_us": floor_us,

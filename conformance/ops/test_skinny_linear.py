@@ -43,6 +43,11 @@ CASES = [
     (20, 24, 80, SkinnyConfig(block_n=16, block_k=16, split_k=2)),  # one 32-row tile
     (70, 17, 48, SkinnyConfig(block_n=16, block_k=16, split_k=3)),  # two 64-row tiles
     (8, 64, 1024, None),  # default_config: 16-column tiles, K split in 4 (256 columns each)
+    # the L2 prefetch (compiled sm_90+ only; elsewhere the flag does nothing): N past the last column tile, and a
+    # ragged last K range whose later chunks lie past K
+    (8, 40, 256, SkinnyConfig(block_n=16, block_k=64, split_k=2, prefetch_k=1 << 20)),
+    (3, 33, 200, SkinnyConfig(block_n=16, block_k=64, split_k=2, prefetch_k=1 << 20)),
+    (8, 40, 512, SkinnyConfig(block_n=16, block_k=64, split_k=1, prefetch_k=128)),  # the first 128 columns only
 ]
 
 
@@ -77,7 +82,8 @@ def run(impl: str, x, w, swiglu_out, config):
 
 @pytest.mark.parametrize("swiglu_out", [False, True], ids=["linear", "swiglu"])
 @pytest.mark.parametrize("rows,n,k,config", CASES, ids=lambda v: f"bn{v.block_n}-bk{v.block_k}-s{v.split_k}"
-                         if isinstance(v, SkinnyConfig) else "default" if v is None else str(v))
+                         f"{f'-pf{v.prefetch_k}' if v.prefetch_k else ''}" if isinstance(v, SkinnyConfig)
+                         else "default" if v is None else str(v))
 def test_skinny_linear_matches_exact_product(impl_device, report, rows, n, k, config, swiglu_out):
     impl, device = impl_device
     x, w = make_inputs(rows, n, k, swiglu_out, seed=rows * n + k)
@@ -201,16 +207,19 @@ def test_planted_bug_a_stale_counter_is_caught(impl_device, report):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("prefetch", [0, 256, 1 << 20], ids=["", "prefetch256", "prefetch"])
 @pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize("swiglu_out", [False, True], ids=["linear", "swiglu"])
-def test_skinny_linear_cuda_graph_replay_is_exact(split_k, swiglu_out):
+def test_skinny_linear_cuda_graph_replay_is_exact(split_k, swiglu_out, prefetch):
     """The draft's shapes at one request (8 rows): a replay equals the eager call, twice (the counters
-    are zero again after each replay)."""
+    are zero again after each replay); with the L2 prefetch, the bits of the same tiles without it."""
     for n, k in ((512, 2048), (2048, 5632)):
         x, w = make_inputs(8, n, k, swiglu_out, seed=n)
         x, w = x.to("cuda", torch.bfloat16), w.to("cuda", torch.bfloat16)
-        config = SkinnyConfig(block_n=16, block_k=256, split_k=split_k)
+        config = SkinnyConfig(block_n=16, block_k=256, split_k=split_k, prefetch_k=prefetch)
         eager = skinny_linear_triton(x, w, swiglu_out, config=config)  # compiles outside the capture
+        plain = skinny_linear_triton(x, w, swiglu_out, config=SkinnyConfig(block_n=16, block_k=256, split_k=split_k))
+        assert torch.equal(eager, plain), f"[8, {n}, {k}] split {split_k}: the prefetch changed the result"
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -73,12 +73,22 @@ def _supported(device: torch.device) -> bool:
 EARLY_READERS = {
     "moe:_moe_down_kernel": "the expert ids (the router's, two kernels back: the gate/up kernel before it "
                             "triggers after its own wait), to find its expert and whether it leads",
+    "skinny_linear:_skinny_linear_kernel": "its weight (written once, at load), prefetched into L2 before the "
+                                           "wait so its first bytes stream under the previous kernel's tail",
 }
 
 
 def pdl_enabled(device: torch.device | str) -> bool:
     """Whether kernels on ``device`` launch with PDL: Hopper or later, compiled Triton, DFLASH2_PDL != 0."""
     if os.environ.get("DFLASH2_PDL", "1") == "0":
+        return False
+    return _supported(torch.device(device))
+
+
+def l2_prefetch_enabled(device: torch.device | str) -> bool:
+    """Whether a kernel may issue sm_90's bulk L2 prefetch (``cp.async.bulk.prefetch.L2``, inline asm): the
+    same devices as PDL, and DFLASH2_PREFETCH != 0 (A/B benchmarks; read at every call, kept by a capture)."""
+    if os.environ.get("DFLASH2_PREFETCH", "1") == "0":
         return False
     return _supported(torch.device(device))
 

@@ -42,9 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .pdl import launch_options, pdl_enabled
+from .pdl import l2_prefetch_enabled, launch_options, pdl_enabled
 from .tickets import ticket_counters
 from .triton_compat import tl, triton, use_triton
+
+
+PREFETCH_ALL = 1 << 30  # SkinnyConfig.prefetch_k: a program's whole K range
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,9 @@ class SkinnyConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    # K columns of its W slice each program bulk-prefetches into L2 before its wait (_prefetch_weight): 0 none,
+    # >= its K range all of it (a whole 46 MB gate|up at once thrashes the L2: the perf13 sweep lost 3.4 us)
+    prefetch_k: int = 0
 
 
 # (N, K, swiglu) -> (the most rows it was measured faster than cuBLAS at, its fastest config): the H200
@@ -64,7 +70,11 @@ class SkinnyConfig:
 # released drafts' GEMMs that are not here (q|k|v, o, and the 27B draft's conv kernel projections and
 # gate|up) measured as fast or faster in cuBLAS; an unmeasured shape or GPU goes to cuBLAS too.
 H200_TUNED: dict[tuple[int, int, bool], tuple[int, SkinnyConfig]] = {
-    (512, 2048, False): (32, SkinnyConfig(block_n=16, block_k=128, split_k=8)),  # 4.64 / 5.40; 32 rows 5.23 / 5.79
+    # perf13 (bench/results/2026-12-04-h200-perf13, c3-skinny.log), 8 rows, the whole slice prefetched: the conv
+    # kernel projections 3.48 / 5.78 (4.16 without the prefetch), q|k|v 6.68 / 6.88 (6.92), o 5.10 / 6.35 (5.74)
+    (512, 2048, False): (32, SkinnyConfig(block_n=32, block_k=128, split_k=8, prefetch_k=PREFETCH_ALL)),
+    (3072, 2048, False): (8, SkinnyConfig(block_n=32, block_k=128, split_k=4, prefetch_k=PREFETCH_ALL)),
+    (2048, 2048, False): (32, SkinnyConfig(block_n=32, block_k=128, split_k=4, prefetch_k=PREFETCH_ALL)),
     (5632, 2048, True): (8, SkinnyConfig(block_n=32, block_k=128)),  # gate|up + SwiGLU: 15.83 / 17.04 (+ its kernel)
     (2048, 5632, False): (32, SkinnyConfig(block_n=32, block_k=128, split_k=4)),  # 10.50 / 12.01; 32 rows 11.36 / 12.42
     (2048, 10240, False): (8, SkinnyConfig(block_n=32, block_k=128, split_k=4)),  # fc: 15.88 / 17.21
@@ -100,16 +110,44 @@ def default_config(rows: int, n: int, k: int, swiglu: bool = False) -> SkinnyCon
 
 
 @triton.jit
+def _prefetch_weight(w_ptr, pid_n, k_lo, N: tl.constexpr, K: tl.constexpr, SPAN: tl.constexpr,
+                     HALVES: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, ELEM_BYTES: tl.constexpr):
+    """Bulk-prefetch into L2 the W rows of this program's BLOCK_N columns (and their up rows, HALVES = 2) over
+    the first SPAN columns of its K range: HALVES * BLOCK_N * CHUNKS lanes, one ``cp.async.bulk.prefetch.L2`` of
+    SPAN / CHUNKS elements each (CHUNKS sized so every thread issues about one). A prefetch writes nothing and
+    no later load depends on it: it only starts W's DRAM reads early, before the wait and before the loop's
+    pipeline asks.
+    Addresses and sizes are multiples of 16 bytes (the launcher checks W's base and row pitch); a lane whose
+    range lies past K or whose column lies past N prefetches 16 bytes of an in-bounds row instead."""
+    lanes = tl.arange(0, HALVES * BLOCK_N * CHUNKS)
+    row = lanes // CHUNKS
+    col = tl.minimum(pid_n * BLOCK_N + row % BLOCK_N, N - 1) + (row // BLOCK_N) * N
+    chunk: tl.constexpr = SPAN // CHUNKS
+    start = k_lo + (lanes % CHUNKS) * chunk
+    count = tl.minimum(tl.maximum(K - start, 0), chunk) * ELEM_BYTES // 16 * 16
+    start = tl.where(count > 0, start, 0)
+    count = tl.where(count > 0, count, 16)
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // dummy $0", "=r,l,r",
+                              [w_ptr + col.to(tl.int64) * K + start, count.to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, stride_xm, stride_om,
                           N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
                           M_PAD: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+                          BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH_SPAN: tl.constexpr,
+                          PREFETCH_CHUNKS: tl.constexpr, ELEM_BYTES: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    if PREFETCH_SPAN > 0:  # W only (written once, at load): pdl.EARLY_READERS; the first row tile's programs
+        if pid_m == 0:
+            _prefetch_weight(w_ptr, pid_n, pid_k * K_PER_SPLIT, N, K, PREFETCH_SPAN, 2 if SWIGLU else 1, BLOCK_N,
+                             PREFETCH_CHUNKS, ELEM_BYTES)
+    if PDL:  # before any other load, and any store: fast/kernels/pdl.py's rule
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     in_m = rows < M
@@ -216,11 +254,19 @@ def skinny_linear_triton(x: Tensor, weight: Tensor, swiglu: bool = False, config
     else:
         part, counters = out, out  # unused
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays fp32; tf32 is unused for bf16/fp16
+    elem = weight.element_size()
+    # the bulk prefetch wants 16-byte addresses and sizes: W's base, its row pitch and each chunk's start
+    halves = 2 if swiglu else 1
+    chunks = max(1, 32 * cfg.num_warps // (halves * cfg.block_n))
+    span = min(cfg.prefetch_k, k_per_split)
+    prefetch = (span > 0 and l2_prefetch_enabled(x.device) and weight.data_ptr() % 16 == 0 and (k * elem) % 16 == 0
+                and span % chunks == 0 and (span // chunks * elem) % 16 == 0)
     _skinny_linear_kernel[(n_tiles, split, m_tiles)](
         x, weight, out, part, counters, rows, x.stride(0), out.stride(0), N=n, K=k, K_PER_SPLIT=k_per_split,
         SPLIT_K=split, M_PAD=m_tiles * block_m, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, DOT_PRECISION=precision, PDL=pdl_enabled(x.device), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch_options(x.device))
+        BLOCK_K=cfg.block_k, DOT_PRECISION=precision, PREFETCH_SPAN=span if prefetch else 0, PREFETCH_CHUNKS=chunks,
+        ELEM_BYTES=elem, PDL=pdl_enabled(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_options(x.device))
     return out
 
 

@@ -42,13 +42,13 @@ then that layer's k|v rows of ``context_kv_weight``, copied: the context side ke
 matrix, so its batch-invariant GEMM and its bits are unchanged; about 2*Hkv*D*C elements more per
 layer), read by the prologue and the attention as head views; o_proj; gate and up as one over
 ``gate_up[layer]`` ``[2I, C]`` with ``silu(gate) * up`` as its epilogue (fp32, rounded once to the
-draft dtype; the torch form is ``mlp.swiglu_act_torch`` of the GEMM's output); down. The conv kernel
-projections, gate|up, down and the context side's fc go through
-``fast/kernels/skinny_linear.skinny_linear``: its Triton kernel where the H200 sweep measured it
-faster than cuBLAS at that shape and row count, cuBLAS otherwise. q|k|v, o and the LM head stay in
-cuBLAS (the LM head streams its 1 GB at the floor). The per-name entries of ``self.w`` are views:
-q_proj into ``block_qkv_weights``, k_proj and v_proj into ``context_kv_weight``, gate_proj and
-up_proj into ``gate_up``. The logits stay in the draft dtype (``DraftBlocks.logits``).
+draft dtype; the torch form is ``mlp.swiglu_act_torch`` of the GEMM's output); down. Every layer GEMM
+and the context side's fc go through ``fast/kernels/skinny_linear.skinny_linear``: its Triton kernel
+(some configs prefetching their weight into L2 under the previous kernel) where the H200 sweep measured
+it faster than cuBLAS at that shape and row count, cuBLAS otherwise (the 27B draft's q|k|v and o, the
+35B-A3B draft's q|k|v past 8 rows). The LM head stays in cuBLAS (it streams its 1 GB at the floor). The
+per-name entries of ``self.w`` are views: q_proj into ``block_qkv_weights``, k_proj and v_proj into
+``context_kv_weight``, gate_proj and up_proj into ``gate_up``. The logits stay in the draft dtype (``DraftBlocks.logits``).
 """
 
 from __future__ import annotations
@@ -142,9 +142,10 @@ class FastDraft:
             self.w[name] = fused[:cfg.num_attention_heads * cfg.head_dim]
             self.block_qkv_weights.append(fused)
         # contiguous [N, K] for skinny_linear (which takes the torch form for any other layout): the conv
-        # kernel projections [2*K*C/G, C], down_proj and fc
+        # kernel projections [2*K*C/G, C], down_proj, o_proj and fc
         names = ["fc.weight"] + [f"layers.{layer}.{name}" for layer in layers for name in (
-            "attention_conv.kernel_projection.weight", "mlp_conv.kernel_projection.weight", "mlp.down_proj.weight")]
+            "attention_conv.kernel_projection.weight", "mlp_conv.kernel_projection.weight", "mlp.down_proj.weight",
+            "self_attn.o_proj.weight")]
         for name in names:
             self.w[name] = self.w[name].contiguous()
         # forward_blocks' per-call constants: the row offsets 0..S-1 and which row holds the anchor token
@@ -220,12 +221,12 @@ class FastDraft:
         p = f"layers.{layer}.self_attn."
         b, s, c = u.shape
         h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qkv = (u.reshape(b * s, c) @ self.block_qkv_weights[layer].T).view(b * s, h + 2 * hkv, d)  # [q | k | v] heads
+        qkv = skinny_linear(u.reshape(b * s, c), self.block_qkv_weights[layer]).view(b * s, h + 2 * hkv, d)  # [q|k|v]
         q, k = draft_qk_norm_rope(qkv[:, :h], qkv[:, h:h + hkv], self.norms[f"{p}q_norm.weight"],
                                   self.norms[f"{p}k_norm.weight"], cos, sin, cfg.rms_norm_eps)
         a = ring_attention(q, k, qkv[:, h + hkv:], ring_pool.k[layer], ring_pool.v[layer], ring_slots,
                            anchor_positions, cfg.sliding_window)  # [B*S, H, D]
-        return (a.reshape(b * s, h * d) @ w[f"{p}o_proj.weight"].T).view(b, s, c)
+        return skinny_linear(a.reshape(b * s, h * d), w[f"{p}o_proj.weight"]).view(b, s, c)
 
     def _layer(self, layer: int, x: Tensor, u: Tensor, next_norm: str, cos: Tensor, sin: Tensor,
                ring_pool: RingPool, ring_slots: Tensor, anchor_positions: Tensor) -> tuple[Tensor, Tensor]:
