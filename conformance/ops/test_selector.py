@@ -193,3 +193,25 @@ def test_top_candidates_strided_rows(impl_device):
         got = fn(view, 16, **kwargs)
         assert torch.equal(got[1], expected[1])
         assert torch.equal(got[0].view(torch.int32), expected[0].view(torch.int32))
+
+
+@pytest.mark.parametrize("batch,rows,hidden_size,rank,k", [(1, 8, 2048 // 16, 256 // 16, 7), (3, 5, 40, 9, 4),
+                                                           (2, 3, 17, 33, 1)])
+def test_project_matches_the_fp32_product(impl_device, report, batch, rows, hidden_size, rank, k):
+    """The walk's g = h P^T (``project_triton``): the fp32 product of rows 1..k, from a strided view of h (the
+    draft's hidden rows as ``select`` passes them) and a bf16 or fp32 P; rank and C past a tile's edge."""
+    impl, device = impl_device
+    if impl != "triton":
+        pytest.skip("project_triton is the Triton form's (the torch form multiplies in place)")
+    gen = torch.Generator().manual_seed(rank * 7 + k)
+    wide = torch.randn(batch, rows, 2 * hidden_size, generator=gen)
+    hidden = wide[:, :, ::2]  # strides (rows * 2C, 2C, 2)
+    for dtype in (torch.float32, torch.bfloat16):
+        projection = (torch.randn(rank, hidden_size, generator=gen) / hidden_size ** 0.5).to(dtype)
+        h = hidden.to(dtype)
+        expected = h[:, 1:k + 1].double() @ projection.double().T
+        got = selector_module.project_triton(h.to(device), projection.to(device), k)
+        assert got.dtype == torch.float32 and got.shape == (batch, k, rank) and got.is_contiguous()
+        report.numeric(f"g/{str(dtype)[6:]}", got, expected, NUMERIC_BOUND[torch.float32])
+    with pytest.raises(ValueError, match="expected 1 .. "):
+        selector_module.project_triton(hidden.to(device), projection.to(device), rows)

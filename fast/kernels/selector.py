@@ -14,14 +14,14 @@ Two implementations with one result type (``SelectorBatch``):
   not a sort of the vocabulary) and the walk batched over requests (the loop is over the k <= S-1
   slots, which depend on each other). With ``all_greedy`` (the host knows every request is greedy)
   the walk skips the softmax and the keyed draws: the same picks, one-hot q.
-- ``select_triton``: three kernels, over the twin's int64 keys (unique, ordered as (logit desc, id asc)),
+- ``select_triton``: four kernels, over the twin's int64 keys (unique, ordered as (logit desc, id asc)),
   so each of the K_sel extraction rounds is one max reduction. (1) block top-K: each program takes
   BLOCK_V logits of one row and keeps the keys of its K_sel best; (2) merge: programs pick the K_sel
   largest of the block winners' keys, in two levels past ``MERGE_BLOCKS`` blocks (groups of blocks in
   parallel, then one program per row over the groups' winners), and the last level decodes the ids and
   values (``top_candidates_triton``, bit for bit the twin's);
-  (3) walk: one program per request runs the k slots on [K_sel, r] tiles, with the keyed draw.
-  g = h P^T is one GEMM before the walk (torch).
+  (3) g = h P^T for the k slots (``project_triton``: fp32 sums in one fixed order, no split of C);
+  (4) walk: one program per request runs the k slots on [K_sel, r] tiles, with the keyed draw.
 """
 
 from __future__ import annotations
