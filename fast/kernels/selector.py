@@ -253,30 +253,26 @@ def _walk_kernel(cand_ptr, unary_ptr, proj_ptr, pred_ptr, succ_ptr, anchor_tok_p
     in_k = lanes < KSEL
     rk = tl.arange(0, RANK_PAD)
     in_r = rk < RANK
-    tile_mask = in_k[:, None] & in_r[None, :]
     greedy = tl.load(greedy_ptr + b) != 0
     temperature = tl.where(greedy, 1.0, tl.load(temperature_ptr + b))
     seed = tl.load(seed_ptr + b)
     anchor_pos = tl.load(anchor_pos_ptr + b)
+    prev = tl.load(anchor_tok_ptr + b)
     slots = tl.arange(0, K_PAD)
     uniforms = philox_uniform(seed, anchor_pos + 0 * slots, _SELECTOR, slots + 1).to(tl.float64)  # u_1..u_k
-    # No load of the walk depends on a pick: slot i issues slot i+1's loads (the ids, their unaries and g, and
-    # once its stores are out the ids' Bc rows and A rows, two [KSEL, RANK] tiles), and after its pick takes
-    # A[y_i] = A[C_i[j*]] out of the A tile it already holds. Reading A[y_i] from memory after the pick put
-    # one dependent global load on every slot's chain (the walk took 16.2 us at k = 7 on an H200); the tile
-    # reads KSEL rows of A a slot for the one used, as many bytes as the Bc rows beside it.
+    # slot i's candidates, unaries, g and successor rows do not depend on y_{i-1}: slot i issues slot i+1's loads
+    # (the ids with its own A[y_{i-1}] gather, their Bc rows once its stores are out), so each slot waits on
+    # about one memory latency where the chain C_i -> Bc[C_i] and A[y_{i-1}] cost two. Tried and dropped
+    # (perf13): loading each slot's [KSEL, RANK] tile of A rows beside the Bc rows and taking A[y_i] out of it
+    # after the pick, so no load waits on a pick: 23.5 us a walk against this form's 16.2 (the engine's step
+    # traces with PDL off, bench/results/2026-12-04-h200-perf13 against 2026-12-03-h200-perf12).
     cand = tl.load(cand_ptr + b * K * KSEL + lanes, mask=in_k, other=0)
     unary = tl.load(unary_ptr + b * K * KSEL + lanes, mask=in_k, other=0.0)
     g = tl.load(proj_ptr + b * K * RANK + rk, mask=in_r, other=0.0)
-    succ = tl.load(succ_ptr + cand[:, None] * RANK + rk[None, :], mask=tile_mask, other=0.0)
-    pred_tile = tl.load(pred_ptr + cand[:, None] * RANK + rk[None, :], mask=tile_mask, other=0.0)
-    # A[y_0] (the anchor) before the loop; A[0], the row the chain read when a pick is not a real lane (-1 or
-    # KSEL_PAD from NaN scores, whose token is 0), so the picked row below is the chain's in every case
-    pred_row = tl.load(pred_ptr + tl.load(anchor_tok_ptr + b) * RANK + rk, mask=in_r, other=0.0).to(tl.float32)
-    row_zero = tl.load(pred_ptr + rk, mask=in_r, other=0.0).to(tl.float32)
+    succ = tl.load(succ_ptr + cand[:, None] * RANK + rk[None, :], mask=in_k[:, None] & in_r[None, :], other=0.0)
     for i in range(K):
         row = b * K + i
-        pred = pred_row * g
+        pred = tl.load(pred_ptr + prev * RANK + rk, mask=in_r, other=0.0).to(tl.float32) * g
         more = i + 1 < K
         next_cand = tl.load(cand_ptr + (row + 1) * KSEL + lanes, mask=in_k & more, other=0)
         next_unary = tl.load(unary_ptr + (row + 1) * KSEL + lanes, mask=in_k & more, other=0.0)
@@ -295,18 +291,11 @@ def _walk_kernel(cand_ptr, unary_ptr, proj_ptr, pred_ptr, succ_ptr, anchor_tok_p
         pick = tl.where(greedy, tl.min(tl.where(sigma == top, lanes, KSEL_PAD), axis=0), drawn)
         q = tl.where(greedy, tl.where(lanes == pick, 1.0, 0.0), q)
         prev = tl.sum(tl.where(lanes == pick, cand, 0), axis=0)
-        # A[y_i]: row j* of the tile, selected on the fp32 BITS (an int32 sum of one row and zeros), so it is
-        # exactly the loaded values; a float sum would be too but for -0.0 + 0.0 = +0.0, which could flip the
-        # sign of a zero sigma. The lanes past KSEL hold zeros, not A[0]: those picks take row_zero.
-        tile_bits = pred_tile.to(tl.float32).to(tl.int32, bitcast=True)
-        picked = tl.sum(tl.where(lanes[:, None] == pick, tile_bits, 0), axis=0).to(tl.float32, bitcast=True)
-        pred_row = tl.where((pick >= 0) & (pick < KSEL), picked, row_zero)
         tl.store(tokens_ptr + row, prev)
         tl.store(probs_ptr + row * KSEL + lanes, q, mask=in_k)
         tl.store(sigma_ptr + row * KSEL + lanes, sigma, mask=in_k)
-        next_mask = (in_k & more)[:, None] & in_r[None, :]
-        succ = tl.load(succ_ptr + next_cand[:, None] * RANK + rk[None, :], mask=next_mask, other=0.0)
-        pred_tile = tl.load(pred_ptr + next_cand[:, None] * RANK + rk[None, :], mask=next_mask, other=0.0)
+        succ = tl.load(succ_ptr + next_cand[:, None] * RANK + rk[None, :], mask=(in_k & more)[:, None] & in_r[None, :],
+                       other=0.0)
         cand, unary, g = next_cand, next_unary, next_g
 
 
@@ -354,16 +343,18 @@ def top_candidates_triton(logits: Tensor, top_k: int, block_v: int | None = None
     return unary, cand_ids
 
 
-def project_triton(hidden: Tensor, projection: Tensor, k: int, block_r: int = 16,
+def project_triton(hidden: Tensor, projection: Tensor, k: int, block_r: int = 2,
                    block_c: int | None = None) -> Tensor:
     """g = h P^T for the walk's k slots: ``hidden[:, 1:k + 1].float() @ projection.float().T`` by one kernel
     (fp32 accumulation; it differs from the torch product only in the order of the sums)  # hidden [B, S, C]
     (any strides, read in place), projection [r, C] (any float dtype) -> [B, k, r] fp32 contiguous.
 
-    One program per request and ``block_r`` columns of g: at the released shape (B = 1, k = 7, r = 256,
-    C = 2048) 16 programs, each reading 64 KiB of a bf16 P and the 28 KiB of h, where the torch form took an
-    fp32 copy of h, a SIMT sgemm and a split-K reduce (13.4 us on an H200). ``block_c`` defaults to keep the
-    [K_PAD, block_r, block_c] accumulator at 8192 fp32 (64 a thread of 4 warps)."""
+    One program per request and ``block_r`` columns of g; ``block_c`` defaults to keep the [K_PAD, block_r,
+    block_c] accumulator at 8192 fp32 (64 a thread of 4 warps). Each program's C loop waits on its loads every
+    step, so the kernel is latency-bound and narrow programs win: at the released shape (B = 1, k = 7, r = 256,
+    C = 2048, the proposer's fp32 P) 8.8 us with block_r = 2 (128 programs, 4 steps), 8.4 with 1, 14.2 with 8,
+    23.1 with 16, against 18.2 us for the torch form (an fp32 copy of h and a cuBLAS fp32 GEMM); CUDA-graph
+    replays, L2 flushed (bench/results/2026-12-04-h200-perf13, bench_draft_kernels.py)."""
     batch, rows, hidden_size = hidden.shape
     rank = projection.shape[0]
     if projection.shape[1] != hidden_size:
