@@ -242,7 +242,10 @@ def _moe_down_kernel(ids_ptr, h_ptr, down_ptr, partials_ptr, num_pairs, C: tl.co
 leaders (P > 0), and their waits keep the completion order pdl.py's rule (c) relies on. Asking L2 for the
     weight tile there too (``prefetch.global.L2`` over the tile's lines) was measured slower on the H200 and
     dropped (bench/results/2026-12-03-h200-perf9: 100.4 against 92.8 us a layer at 8 rows, 171.5 against
-    161.3 at 16): the hints compete with the gate/up kernel's own weight stream, which is what bounds both."""
+    161.3 at 16): the hints compete with the gate/up kernel's own weight stream, which is what bounds both.
+    sm_90's bulk prefetch (``cp.async.bulk.prefetch.L2``, one instruction a weight row) in the same place lost
+    too (bench/results/2026-12-04-h200-perf13, call 2, interleaved A/B): at 8 rows 96.4 us a layer for each
+    row's first 256 bytes and 106.9 for all of it, against 95.0 without; at 16 rows 161.4 and 171.6 against 161.5."""
     p = tl.program_id(0)
     tile = tl.program_id(1)
     e, count, leader = _scan_expert(ids_ptr, p, num_pairs, P_PAD, PAIR_TILE)

@@ -60,7 +60,10 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4
     # K columns of its W slice each program bulk-prefetches into L2 before its wait (_prefetch_weight): 0 none,
-    # >= its K range all of it (a whole 46 MB gate|up at once thrashes the L2: the perf13 sweep lost 3.4 us)
+    # >= its K range all of it. Alone (a graph of back-to-back calls) it saved 0.2-0.7 us on the 35B-A3B draft's
+    # conv kernel projections, q|k|v and o and lost 1-3 us on gate|up and down (perf13, c3-skinny.log); inside
+    # the draft's layer chain (bench_pdl.py --configs-ab, PDL on) it measured within the rounds' spread: 516.3
+    # against 517.3 us for 8 layers. Kept on those three shapes, where it measured no slower anywhere.
     prefetch_k: int = 0
 
 
