@@ -58,17 +58,28 @@ def cuda_device() -> torch.device:
 
 
 @contextlib.contextmanager
-def pdl_setting(on: bool):
-    """DFLASH2_PDL for the launches inside (fast/kernels/pdl.py reads it at every launch)."""
-    old = os.environ.get("DFLASH2_PDL")
-    os.environ["DFLASH2_PDL"] = "1" if on else "0"
+def env_switch(name: str, on: bool):
+    """Environment variable ``name`` = "1" or "0" for the launches inside, restored after (fast/kernels/pdl.py reads
+    DFLASH2_PDL and DFLASH2_PREFETCH at every launch)."""
+    old = os.environ.get(name)
+    os.environ[name] = "1" if on else "0"
     try:
         yield
     finally:
         if old is None:
-            del os.environ["DFLASH2_PDL"]
+            del os.environ[name]
         else:
-            os.environ["DFLASH2_PDL"] = old
+            os.environ[name] = old
+
+
+def pdl_setting(on: bool):
+    """DFLASH2_PDL for the launches inside."""
+    return env_switch("DFLASH2_PDL", on)
+
+
+def prefetch_setting(on: bool):
+    """DFLASH2_PREFETCH for the launches inside (pdl.l2_prefetch_enabled)."""
+    return env_switch("DFLASH2_PREFETCH", on)
 
 
 def make_layers(gen: torch.Generator) -> list[dict]:
@@ -195,20 +206,6 @@ def bench_variant(name: str, chain, launches: int) -> dict:
     return {"variant": name, "us_off": times[False], "us_on": times[True], "layers": LAYERS,
             "pdl_launches": launches, "saved_us": saved, "saved_us_per_launch": saved / launches,
             "bitwise_equal": equal, "counters_zero": zeros}
-
-
-@contextlib.contextmanager
-def prefetch_setting(on: bool):
-    """DFLASH2_PREFETCH for the launches inside (pdl.l2_prefetch_enabled reads it at every launch)."""
-    old = os.environ.get("DFLASH2_PREFETCH")
-    os.environ["DFLASH2_PREFETCH"] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["DFLASH2_PREFETCH"]
-        else:
-            os.environ["DFLASH2_PREFETCH"] = old
 
 
 def bench_configs(layers: list[dict], gen: torch.Generator, rounds: int) -> list[dict]:
