@@ -343,7 +343,7 @@ def top_candidates_triton(logits: Tensor, top_k: int, block_v: int | None = None
     return unary, cand_ids
 
 
-def project_triton(hidden: Tensor, projection: Tensor, k: int, block_r: int = 2,
+def project_triton(hidden: Tensor, projection: Tensor, k: int, block_r: int = 1,
                    block_c: int | None = None) -> Tensor:
     """g = h P^T for the walk's k slots: ``hidden[:, 1:k + 1].float() @ projection.float().T`` by one kernel
     (fp32 accumulation; it differs from the torch product only in the order of the sums)  # hidden [B, S, C]
@@ -352,9 +352,10 @@ def project_triton(hidden: Tensor, projection: Tensor, k: int, block_r: int = 2,
     One program per request and ``block_r`` columns of g; ``block_c`` defaults to keep the [K_PAD, block_r,
     block_c] accumulator at 8192 fp32 (64 a thread of 4 warps). Each program's C loop waits on its loads every
     step, so the kernel is latency-bound and narrow programs win: at the released shape (B = 1, k = 7, r = 256,
-    C = 2048, the proposer's fp32 P) 8.8 us with block_r = 2 (128 programs, 4 steps), 8.4 with 1, 14.2 with 8,
-    23.1 with 16, against 18.2 us for the torch form (an fp32 copy of h and a cuBLAS fp32 GEMM); CUDA-graph
-    replays, L2 flushed (bench/results/2026-12-04-h200-perf13, bench_draft_kernels.py)."""
+    C = 2048) with an fp32 P 8.4 us with block_r = 1 (256 programs, 2 steps), 8.8 with 2, 14.2 with 8, 23.1
+    with 16, against 18.2 us for the torch form (an fp32 copy of h and a cuBLAS fp32 GEMM); with the draft's
+    bf16 P, as the proposer passes it, 7.1 us with block_r = 1 and 8.5 with 2. CUDA-graph replays, L2 flushed
+    (bench/results/2026-12-04-h200-perf13, bench_draft_kernels.py)."""
     batch, rows, hidden_size = hidden.shape
     rank = projection.shape[0]
     if projection.shape[1] != hidden_size:
