@@ -48,7 +48,8 @@ and the context side's fc go through ``fast/kernels/skinny_linear.skinny_linear`
 it faster than cuBLAS at that shape and row count, cuBLAS otherwise (the 27B draft's q|k|v and o, the
 35B-A3B draft's q|k|v past 8 rows). The LM head stays in cuBLAS (it streams its 1 GB at the floor). The
 per-name entries of ``self.w`` are views: q_proj into ``block_qkv_weights``, k_proj and v_proj into
-``context_kv_weight``, gate_proj and up_proj into ``gate_up``. The logits stay in the draft dtype (``DraftBlocks.logits``).
+``context_kv_weight``, gate_proj and up_proj into ``gate_up``. The logits stay in the draft dtype
+(``DraftBlocks.logits``).
 """
 
 from __future__ import annotations
