@@ -27,6 +27,23 @@ def step_ratios(runs: list[dict]) -> list[tuple[dict, dict, float]]:
     return pairs
 
 
+def ratio_medians(pairs: list[tuple[dict, dict, float]]) -> list[tuple[tuple, list[float], float]]:
+    """The pairs of :func:`step_ratios` grouped by (setting, concurrency, prompt length), in first-seen order:
+    ``(key, ratios, median)`` for each group of two or more (repeated runs, e.g. five off/dflash7 pairs in one
+    ``--runs``); the median of an even count is the mean of the middle two."""
+    groups: dict[tuple, list[float]] = {}
+    for r, _, ratio in pairs:
+        groups.setdefault((r["setting"], r["concurrency"], r["prompt_len"]), []).append(ratio)
+    out = []
+    for key, ratios in groups.items():
+        if len(ratios) >= 2:
+            ordered = sorted(ratios)
+            mid = len(ordered) // 2
+            median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+            out.append((key, ratios, median))
+    return out
+
+
 def markdown(result: dict) -> str:
     sim = result.get("simulated_tokens_per_step")
     lines = [
@@ -64,6 +81,9 @@ def markdown(result: dict) -> str:
                   "prompt that ran last before it):", ""]
         lines += [f"- {r['setting']} c={r['concurrency']} p={r['prompt_len']}: {r['step_ms_median']:.2f} / "
                   f"{off['step_ms_median']:.2f} ms = {ratio:.3f}" for r, off, ratio in pairs]
+        lines += [f"- **{setting} c={conc} p={prompt}: median of {len(ratios)} pairs {median:.3f}** "
+                  f"({min(ratios):.3f}-{max(ratios):.3f})" for (setting, conc, prompt), ratios, median
+                  in ratio_medians(pairs)]
     for r in result["runs"]:
         prof = r.get("profile") if "error" not in r else None
         if prof:

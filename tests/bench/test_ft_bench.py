@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from dflash2.bench.report import ratio_medians, step_ratios
 from dflash2.bench.run import SimulatedAcceptance
 from dflash2.fast.cli import main
 from dflash2.reference.tiny.draft import write_tiny_draft
@@ -92,3 +93,22 @@ def test_explicit_runs_replace_the_cross_product(tiny, tmp_path):
     with pytest.raises(SystemExit) as exc:  # argparse's own usage error
         main(["bench", "--model", str(target), "--runs", "dflash9:1:4"])
     assert exc.value.code == 2
+
+
+def test_repeated_pairs_report_their_median_ratio():
+    """Five off/dflash7 pairs at one concurrency and prompt (the issue's median of five) give one median line;
+    a setting run once gives none; an even count takes the mean of the middle two."""
+    def run(setting, ms, prompt=4096):
+        return {"setting": setting, "algorithm": "none" if setting == "off" else "dflash", "concurrency": 1,
+                "prompt_len": prompt, "step_ms_median": ms}
+    runs = []
+    for decode, verify in [(3.4, 7.2), (3.5, 7.1), (3.6, 7.2), (3.3, 7.0), (3.45, 7.25)]:
+        runs += [run("off", decode), run("dflash7", verify)]
+    runs += [run("off", 3.0, 512), run("dflash3", 4.5, 512)]
+    pairs = step_ratios(runs)
+    assert len(pairs) == 6
+    (key, ratios, median), = ratio_medians(pairs)
+    assert key == ("dflash7", 1, 4096) and len(ratios) == 5
+    assert median == pytest.approx(sorted([7.2 / 3.4, 7.1 / 3.5, 7.2 / 3.6, 7.0 / 3.3, 7.25 / 3.45])[2])
+    (_, _, even), = ratio_medians(pairs[:4])
+    assert even == pytest.approx((sorted(r for _, _, r in pairs[:4])[1] + sorted(r for _, _, r in pairs[:4])[2]) / 2)
