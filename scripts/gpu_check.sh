@@ -14,7 +14,7 @@
 #   6. print a short summary table last (after stage 7 when it runs).
 #   7. with SERVE_LOAD=1, bench/load_serve.py against `ft serve` (MoE shape, dummy weights, loopback);
 # SKIP_CONFORMANCE=1 / SKIP_KERNELS=1 / SKIP_BENCH=1 skip a stage. Seen on the H200 (2026-12-01): the kernel
-# benches take ~2.5 min (2026-12-02: bench_skinny_linear adds ~2.3 min, bench_ring_attention ~40 s), ft bench ~5 min a shape, so with conformance the lane outgrows one 10-minute
+# benches take ~2.5 min (2026-12-02: bench_skinny_linear adds ~2.3 min, three times that since its prefetch variants (2026-12-04: six shape and row-count cases in 6 min), bench_ring_attention ~40 s), ft bench ~5 min a shape, so with conformance the lane outgrows one 10-minute
 # device call: run it as two or three calls (e.g. SKIP_BENCH=1, then SKIP_CONFORMANCE=1 SKIP_KERNELS=1). Results land in $OUT (the device tool
 # brings them back); record them under bench/results/. The conformance stage alone outgrows a call too (2026-12-03: no end
 # within 600 s on a cold machine without conformance/gpu/test_cuda_graphs.py, which takes ~9 min by itself): CONFORMANCE_PATHS

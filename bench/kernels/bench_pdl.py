@@ -5,9 +5,9 @@ The 35B-A3B draft's own Triton kernels at 8 rows (one request's block), as ``fas
 
     skinny_linear    attention conv kernel projection [512, C] (split-K 8: the ticket counters)
     dynamic_conv     the attention conv's prepare side
-    (cuBLAS)         q|k|v [3072, C]
+    skinny_linear    q|k|v [3072, C] (split-K 4, the weight prefetched into L2 before the wait)
     draft_qk_norm_rope, ring_attention (split + merge, the window full)
-    (cuBLAS)         o [C, 2048]
+    skinny_linear    o [C, 2048] (split-K 4, prefetched likewise)
     conv_finish_norm the attention conv's finish + residual + post-attention norm
     skinny_linear, dynamic_conv   the MLP conv's kernel projection and prepare side
     skinny_linear    gate|up with the SwiGLU epilogue [2 x 5632, C], down [C, 5632] (split-K 4)
@@ -19,10 +19,13 @@ on its own weights and ring (~750 MB together, more than the L2), and captured a
 with PDL (DFLASH2_PDL=1) and without (DFLASH2_PDL=0; a launch reads it when it is captured). Each
 graph is timed by bench/measure.graph_replay_us (triton's do_bench median, L2 flushed between replays),
 and its outputs must equal the other's bit for bit (PDL changes no arithmetic) with the ticket counters
-all zero after the replays. Two variants: ``layer`` (with the two cuBLAS GEMMs, as the draft runs) and
-``triton`` (the GEMMs left out: a fixed q|k|v per layer and the attention output as o, so every boundary
+all zero after the replays. Two variants: ``layer`` (with the q|k|v and o GEMMs, as the draft runs) and
+``triton`` (those two GEMMs left out: a fixed q|k|v per layer and the attention output as o, so every boundary
 is between two of our kernels). The saving per boundary is (off - on) over the PDL launches in the graph.
-The selector's kernels run once per step, not per layer, and are left out.
+The selector's kernels run once per step, not per layer, and are left out. ``--configs-ab ROUNDS`` instead
+times the ``layer`` chain with PDL on in three forms, in interleaved rounds: perf12's GEMM configs (q|k|v and
+o in cuBLAS, no prefetch), the engine's configs with the prefetch off (DFLASH2_PREFETCH=0), and as the engine
+runs (perf13: 531.7, 517.3 and 516.3 us for 8 layers).
 
     PYTHONPATH=/tmp/pkg python3 bench/kernels/bench_pdl.py --out pdl.json     # from the repo root
 """

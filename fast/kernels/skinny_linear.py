@@ -69,9 +69,9 @@ class SkinnyConfig:
 
 # (N, K, swiglu) -> (the most rows it was measured faster than cuBLAS at, its fastest config): the H200
 # sweeps of bench/kernels/bench_skinny_linear.py (bench/results/2026-12-02-h200-perf7: us a call, this
-# kernel / cuBLAS, back-to-back in a graph, at 8 rows, and at 32 where that row count is kept). The
-# released drafts' GEMMs that are not here (q|k|v, o, and the 27B draft's conv kernel projections and
-# gate|up) measured as fast or faster in cuBLAS; an unmeasured shape or GPU goes to cuBLAS too.
+# kernel / cuBLAS, back-to-back in a graph, at 8 rows, and at 32 where that row count is kept; perf13 for
+# the first three rows). The released drafts' GEMMs that are not here (the 27B draft's q|k|v, o, conv kernel
+# projections and gate|up) measured as fast or faster in cuBLAS; an unmeasured shape or GPU goes to cuBLAS too.
 H200_TUNED: dict[tuple[int, int, bool], tuple[int, SkinnyConfig]] = {
     # perf13 (bench/results/2026-12-04-h200-perf13, c3-skinny.log), 8 rows, the whole slice prefetched: the conv
     # kernel projections 3.48 / 5.78 (4.16 without the prefetch), q|k|v 6.68 / 6.88 (6.92), o 5.10 / 6.35 (5.74)
