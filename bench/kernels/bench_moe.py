@@ -193,6 +193,10 @@ def pdl_ab(layers, gen: torch.Generator, rows_list: list[int], rounds: int = 5) 
 
 BLOCKS_AB = {  # rows -> the candidates --blocks-ab sets beside default_blocks(rows), from a sweep that favoured them
     1: [MoEBlocks(block_i=16, block_c=64, num_stages=4, **SPLIT)],  # perf12 call 5: 20.7 against 22.3 us a layer
+    # the defaults from 8 to 16 rows are the overlapped split form (fast/kernels/moe.py); against it, the plain split
+    # form it replaced (perf14 calls 3 and 4, bench/results/2026-12-04-h200-perf14, held the other candidates)
+    8: [MoEBlocks(block_i=32, block_c=64, **SPLIT)],
+    16: [MoEBlocks(block_i=64, block_c=128, **SPLIT)],
 }
 
 
@@ -203,7 +207,8 @@ def blocks_ab(layers, gen: torch.Generator, rows: int, rounds: int = 7) -> list[
     args, _, floor_us = routed_case(rows, layers, gen)
     reference = moe_experts_torch(*args[0])
     variants = [default_blocks(rows), *BLOCKS_AB[rows]]
-    graphs = [capture(lambda b=b: [moe_experts_triton(*a, blocks=b) for a in args]) for b in variants]
+    ready = torch.zeros(EXPERTS, dtype=torch.int32, device="cuda")  # the overlapped form's counters, as the model's
+    graphs = [capture(lambda b=b: [moe_experts_triton(*a, blocks=b, ready=ready) for a in args]) for b in variants]
     times: list[list[float]] = [[] for _ in variants]
     for _ in range(rounds):
         for i, graph in enumerate(graphs):
@@ -211,7 +216,8 @@ def blocks_ab(layers, gen: torch.Generator, rows: int, rounds: int = 7) -> list[
     results = []
     for i, blocks in enumerate(variants):
         us = sorted(times[i])[len(times[i]) // 2]
-        error = rms_rel(moe_experts_triton(*args[0], blocks=blocks), reference)
+        got = moe_experts_triton(*args[0], blocks=blocks, ready=ready)
+        error = rms_rel(got, reference)
         results.append({"rows": rows, "variant": "default" if i == 0 else f"candidate {i}", "blocks": asdict(blocks),
                         "graph_us": us, "rounds_us": times[i], "fraction_of_floor": floor_us / us,
                         "rms_rel_vs_torch": error, "numeric_ok": error <= 2e-2})

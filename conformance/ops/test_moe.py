@@ -130,7 +130,7 @@ def test_moe_planted_bugs_are_caught(impl_device, planted, split):
     assert rms_rel > 100 * NUMERIC_BOUND[torch.float32], f"the planted bug ({planted}) passes NUMERIC: {rms_rel:.1e}"
 
 
-@pytest.mark.parametrize("bad", ["x", "gate_up", "down", "expert_ids", "weights", "dtype", "partials"])
+@pytest.mark.parametrize("bad", ["x", "gate_up", "down", "expert_ids", "weights", "dtype", "partials", "ready"])
 def test_moe_bad_input_names_the_argument(bad):
     x, expert_ids, weights, gate_up, down = make_case(2, seed=3).inputs("cpu", torch.float32)
     kwargs = {}
@@ -146,8 +146,10 @@ def test_moe_bad_input_names_the_argument(bad):
         weights = weights[:, :-1]
     elif bad == "dtype":
         down = down.double()
-    else:
+    elif bad == "partials":
         kwargs["partials"] = torch.zeros(1)
+    else:
+        kwargs["ready"] = torch.zeros(EXPERTS - 1, dtype=torch.int32)  # one counter short
     with pytest.raises(ValueError, match="down torch.float64" if bad == "dtype" else bad):
         moe_experts_triton(x, expert_ids, weights, gate_up, down, **kwargs)
 
@@ -159,16 +161,17 @@ def test_moe_no_rows(impl_device):
     assert got.shape == (0, HIDDEN) and got.dtype == torch.float32
 
 
-def _graph_replay_equals_eager(args: tuple[torch.Tensor, ...], blocks: MoEBlocks | None = None) -> torch.Tensor:
-    eager = moe_experts_triton(*args, blocks=blocks)  # compiles outside the capture
+def _graph_replay_equals_eager(args: tuple[torch.Tensor, ...], blocks: MoEBlocks | None = None,
+                               ready: torch.Tensor | None = None) -> torch.Tensor:
+    eager = moe_experts_triton(*args, blocks=blocks, ready=ready)  # compiles outside the capture
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        moe_experts_triton(*args, blocks=blocks)
+        moe_experts_triton(*args, blocks=blocks, ready=ready)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = moe_experts_triton(*args, blocks=blocks)
+        captured = moe_experts_triton(*args, blocks=blocks, ready=ready)
     for _ in range(2):
         captured.fill_(float("nan"))
         graph.replay()
@@ -188,12 +191,13 @@ def test_moe_cuda_graph_replay_is_exact_and_the_default_op_dispatches_to_it():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the released shapes run in the GPU lane")
-@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+@pytest.mark.parametrize("form", ["fused", "split", "overlap"])
 @pytest.mark.parametrize("rows", [1, 8, 16, 128])
-def test_moe_at_released_shapes(report, rows, split):
+def test_moe_at_released_shapes(report, rows, form):
     """Qwen3.5-35B-A3B's experts (C = 2048, I = 512, E = 256, k = 8) in bf16, routed by a softmax over
-    random logits: NUMERIC against the torch form in fp32, exact under graph replay; both forms at
-    each row count's default tiles."""
+    random logits: NUMERIC against the torch form in fp32, exact under graph replay; every form at
+    each row count's default tiles; the overlapped split form bit for bit the split form, its counters
+    left zero."""
     gen = torch.Generator(device="cuda").manual_seed(rows)
     hidden, width, experts, top_k = 2048, 512, 256, 8
     x = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
@@ -202,10 +206,33 @@ def test_moe_at_released_shapes(report, rows, split):
     weights = top_probs / top_probs.sum(dim=-1, keepdim=True)
     gate_up = (torch.randn(experts, 2 * width, hidden, device="cuda", generator=gen) * hidden ** -0.5).bfloat16()
     down = (torch.randn(experts, hidden, width, device="cuda", generator=gen) * width ** -0.5).bfloat16()
-    got = _graph_replay_equals_eager((x, expert_ids, weights, gate_up, down),
-                                     replace(default_blocks(rows), split=split))
+    args = (x, expert_ids, weights, gate_up, down)
+    blocks = replace(default_blocks(rows), split=form != "fused", overlap=form == "overlap")
+    ready = torch.zeros(experts, dtype=torch.int32, device="cuda") if form == "overlap" else None
+    got = _graph_replay_equals_eager(args, blocks, ready)
+    if form == "overlap":
+        assert int(ready.count_nonzero()) == 0, "the call left a ready counter set"
+        assert torch.equal(got, moe_experts_triton(*args, blocks=replace(blocks, overlap=False)))
     expected = moe_experts_torch(x.float(), expert_ids, weights, gate_up.float(), down.float())
     report.numeric("y/bfloat16", got, expected, NUMERIC_BOUND[torch.bfloat16])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_moe_overlapped_split_form_is_the_split_form(impl_device, rows):
+    """``MoEBlocks.overlap`` with a ``ready`` buffer: the split form's bits, twice in a row on one buffer (the
+    call leaves it all zero; a nonzero counter would let a down program read h early), and without the buffer
+    the plain split form. (The race it guards against needs a GPU: test_moe_at_released_shapes, test_pdl.py.)"""
+    impl, device = impl_device
+    if impl == "torch":
+        pytest.skip("the overlapped form is the Triton launcher's")
+    args = make_case(rows, seed=23).inputs(device, torch.float32)
+    ready = torch.zeros(EXPERTS, dtype=torch.int32, device=device)
+    split = moe_experts_triton(*args, blocks=SMALL_SPLIT)
+    for _ in range(2):
+        got = moe_experts_triton(*args, blocks=replace(SMALL_SPLIT, overlap=True), ready=ready)
+        assert torch.equal(got, split)
+        assert int(ready.count_nonzero()) == 0
+    assert torch.equal(moe_experts_triton(*args, blocks=replace(SMALL_SPLIT, overlap=True)), split)
 
 
 def test_moe_out_dtype_rounds_the_fp32_sum_once(impl_device):

@@ -27,6 +27,19 @@ form's programs stream 128-256 KiB each and its partials are T times smaller. It
 (one fp32 accumulation over I instead of T partial sums), within NUMERIC of the reference. On the H200
 it is the faster form from 8 to 16 rows (:func:`default_blocks`; bench/kernels/bench_moe.py sweeps both).
 
+Overlapped split form (``MoEBlocks.overlap``, with a caller's ``ready`` buffer): in the split form every down
+program waits for the whole gate/up grid, so each layer pays the gate/up kernel's last, partial wave with the
+weight stream running down, then the down kernel's ramp. Here a down program waits only for its own expert:
+each gate/up leader adds 1 to ``ready[e]`` (release, after a CTA barrier over its h stores) and a down leader
+spins until ``ready[e]`` counts all ``ceil(I / block_i)`` tiles (acquire), then reads h through L2 only. Both
+grids put the pair axis second, so an expert's tiles are scheduled together and finish early, one expert after
+another. With PDL the down kernel is launched once every gate/up program has started (each triggers right after
+its own wait), so no program it spins on waits for a free slot; without PDL the counters are complete before it
+starts. The sum kernel (after its wait: every down program has read its counter) zeroes the counters it used,
+so the call leaves ``ready`` all zero. Same arithmetic, same bits as the split form. H200, interleaved A/B
+(``bench_moe.py --blocks-ab``, bench/results/2026-12-04-h200-perf14): 92.7 against 95.0 us a layer at 8 rows,
+155.7 against 161.3 at 16.
+
 On Hopper the kernels launch with PDL (fast/kernels/pdl.py; DFLASH2_PDL=0 turns it off, bit for bit the
 same): each launch then hides under the previous kernel's tail (bench_moe.py --pdl-ab, H200: 23.0 -> 22.4 us
 a layer at 1 row, 94.7 -> 92.8 at 8, 162.6 -> 161.3 at 16).
@@ -70,6 +83,9 @@ class MoEBlocks:
     # C tile one down program owns (it reduces all of I in block_d steps) and the partials have one tile
     split: bool = False
     block_d: int = 128  # I step of the split form's down kernel
+    # overlap (split form only): each down program starts once its own expert's h is written, counted by a per-expert
+    # ready counter, instead of after the whole gate/up grid (module docstring, "Overlapped split form")
+    overlap: bool = False
 
 
 def default_blocks(rows: int) -> MoEBlocks:
@@ -95,7 +111,12 @@ def default_blocks(rows: int) -> MoEBlocks:
     +0.3 to +0.5, within the sweeps' spread: kept at 64. At 1 row the split form with I tiles of 16 and a 4-stage
     pipeline took 20.8 against 22.5 us a layer in every round of an interleaved A/B (perf12 call 6,
     ``bench_moe.py --blocks-ab 1``), but the engine's decode step measured no faster with it (its wall time is the
-    host's, ~160 us ahead of the GPU): kept out until the decode step is GPU-bound."""
+    host's, ~160 us ahead of the GPU): kept out until the decode step is GPU-bound. From 8 to 16 rows the split
+    form is overlapped (module docstring) wherever the caller passes ``ready``: at 8 rows down programs of 128
+    columns then win (92.7 us a layer, against 95.7 with 64 and 95.0 for the plain split form at 64; 256 columns
+    96.5, I tiles of 16 103.5-104.7, of 64 96.4, a 4-stage pipeline 94.8, an I step of 256 104.2), at 16 the same
+    tiles as before (155.7 against 161.3; 256 columns 160.0, I tiles of 32 158.4, an I step of 256 182.6): perf14
+    calls 3 and 4, bench/results/2026-12-04-h200-perf14."""
     if rows == 1:
         return MoEBlocks(block_c=256, num_stages=4)
     if rows <= 4:
@@ -103,9 +124,9 @@ def default_blocks(rows: int) -> MoEBlocks:
     if rows < 8:
         return MoEBlocks(block_i=64, num_stages=4)
     if rows == 8:
-        return MoEBlocks(block_i=32, block_c=64, split=True, block_d=128)
+        return MoEBlocks(block_i=32, block_c=128, split=True, block_d=128, overlap=True)
     if rows <= 16:
-        return MoEBlocks(block_i=64, block_c=128, split=True, block_d=128)
+        return MoEBlocks(block_i=64, block_c=128, split=True, block_d=128, overlap=True)
     if rows <= 128:
         return MoEBlocks(block_i=64)
     return MoEBlocks(block_m=64, block_i=64)
@@ -206,16 +227,22 @@ def _moe_expert_tile_kernel(x_ptr, ids_ptr, gate_up_ptr, down_ptr, partials_ptr,
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, ids_ptr, gate_up_ptr, h_ptr, num_pairs, C: tl.constexpr, I: tl.constexpr,
+def _moe_gate_up_kernel(x_ptr, ids_ptr, gate_up_ptr, h_ptr, ready_ptr, num_pairs, C: tl.constexpr, I: tl.constexpr,
                         TOP_K: tl.constexpr, P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr, MAX_CHUNKS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """Split form, kernel 1: ``h [P, I]`` (the down weights' dtype) for the I tile of each active expert."""
+                        DOT_PRECISION: tl.constexpr, OVERLAP: tl.constexpr, PDL: tl.constexpr):
+    """Split form, kernel 1: ``h [P, I]`` (the down weights' dtype) for the I tile of each active expert.
+    OVERLAP: the grid is (tile, pair), so an expert's tiles are scheduled together, and each leader counts its
+    tile into ``ready[e]`` once its h stores are done (release), for the down programs waiting on it."""
     if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule (the ids are the previous kernel's)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    p = tl.program_id(0)
-    tile = tl.program_id(1)
+    if OVERLAP:
+        p = tl.program_id(1)
+        tile = tl.program_id(0)
+    else:
+        p = tl.program_id(0)
+        tile = tl.program_id(1)
     e, count, leader = _scan_expert(ids_ptr, p, num_pairs, P_PAD, PAIR_TILE)
     if leader:
         i_offs, in_i, gate_rows, up_rows = _gate_up_rows(gate_up_ptr, e, tile, C, I, BLOCK_I)
@@ -227,12 +254,16 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, gate_up_ptr, h_ptr, num_pairs, C: tl.con
                 h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BLOCK_M, BLOCK_I]
                 tl.store(h_ptr + pairs.to(tl.int64)[:, None] * I + i_offs[None, :], h.to(h_ptr.dtype.element_ty),
                          mask=valid[:, None] & in_i[None, :])
+        if OVERLAP:
+            tl.debug_barrier()  # every thread's h stores before the one release below (the CTA's writes, cumulative)
+            tl.atomic_add(ready_ptr + e, 1, sem="release", scope="gpu")
 
 
 @triton.jit
-def _moe_down_kernel(ids_ptr, h_ptr, down_ptr, partials_ptr, num_pairs, C: tl.constexpr, I: tl.constexpr,
-                     P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _moe_down_kernel(ids_ptr, h_ptr, down_ptr, partials_ptr, ready_ptr, num_pairs, C: tl.constexpr, I: tl.constexpr,
+                     NUM_I_TILES: tl.constexpr, P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr,
+                     MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, OVERLAP: tl.constexpr, PDL: tl.constexpr):
     """Split form, kernel 2: ``partials[p] [C]`` fp32 = W_down[e_p] h_p for the C tile of each active expert,
     reducing all of I (one partial per pair: the sum kernel then adds the k choices only).
 
@@ -245,15 +276,28 @@ leaders (P > 0), and their waits keep the completion order pdl.py's rule (c) rel
     161.3 at 16): the hints compete with the gate/up kernel's own weight stream, which is what bounds both.
     sm_90's bulk prefetch (``cp.async.bulk.prefetch.L2``, one instruction a weight row) in the same place lost
     too (bench/results/2026-12-04-h200-perf13, call 2, interleaved A/B): at 8 rows 96.4 us a layer for each
-    row's first 256 bytes and 106.9 for all of it, against 95.0 without; at 16 rows 161.4 and 171.6 against 161.5."""
-    p = tl.program_id(0)
-    tile = tl.program_id(1)
+    row's first 256 bytes and 106.9 for all of it, against 95.0 without; at 16 rows 161.4 and 171.6 against 161.5.
+
+    OVERLAP (module docstring, "Overlapped split form"): the grid is (C tile, pair); a leader triggers its
+    dependents at once, waits for ``ready[e] == NUM_I_TILES`` (acquire) instead of the grid-wide wait, reads h
+    through L2 only (``.cg``: no stale L1 line), and passes its ``gdc_wait`` at the end, after its stores."""
+    if OVERLAP:
+        p = tl.program_id(1)
+        tile = tl.program_id(0)
+    else:
+        p = tl.program_id(0)
+        tile = tl.program_id(1)
     e, count, leader = _scan_expert(ids_ptr, p, num_pairs, P_PAD, PAIR_TILE)
     if leader:
         c_offs = tile * BLOCK_C + tl.arange(0, BLOCK_C)
         in_c = c_offs < C
         down_rows = down_ptr + e * (C * I) + c_offs * I  # [BLOCK_C] row starts of W_down[e] [C, I]
-        if PDL:
+        if OVERLAP:
+            if PDL:
+                tl.extra.cuda.gdc_launch_dependents()  # the sum kernel: launched once every program has started
+            while tl.atomic_add(ready_ptr + e, 0, sem="acquire", scope="gpu") < NUM_I_TILES:
+                pass  # the gate/up programs of e are all resident (PDL launches this grid only after they start)
+        elif PDL:
             tl.extra.cuda.gdc_wait()  # h is the previous kernel's: visible from here on
             tl.extra.cuda.gdc_launch_dependents()
         for chunk in range(MAX_CHUNKS):
@@ -264,17 +308,22 @@ leaders (P > 0), and their waits keep the completion order pdl.py's rule (c) rel
                     d_offs = d0 + tl.arange(0, BLOCK_D)
                     in_d = d_offs < I
                     h = tl.load(h_ptr + pairs.to(tl.int64)[:, None] * I + d_offs[None, :],
-                                mask=valid[:, None] & in_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+                                mask=valid[:, None] & in_d[None, :], other=0.0,
+                                cache_modifier=".cg" if OVERLAP else "")  # [BLOCK_M, BLOCK_D]
                     w = tl.load(down_rows[:, None] + d_offs[None, :], mask=in_c[:, None] & in_d[None, :],
                                 other=0.0)  # [BLOCK_C, BLOCK_D], contiguous along I
                     acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
                 tl.store(partials_ptr + pairs.to(tl.int64)[:, None] * C + c_offs[None, :], acc,
                          mask=valid[:, None] & in_c[None, :])
+        if OVERLAP:
+            if PDL:  # completes only after the gate/up grid has: what the sum kernel's wait then implies
+                tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
-def _moe_sum_kernel(partials_ptr, weights_ptr, out_ptr, C: tl.constexpr, TOP_K: tl.constexpr,
-                    NUM_TILES: tl.constexpr, TILES_PAD: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+def _moe_sum_kernel(partials_ptr, weights_ptr, out_ptr, ids_ptr, ready_ptr, C: tl.constexpr, TOP_K: tl.constexpr,
+                    NUM_TILES: tl.constexpr, TILES_PAD: tl.constexpr, BLOCK_C: tl.constexpr, OVERLAP: tl.constexpr,
+                    PDL: tl.constexpr):
     if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -291,6 +340,10 @@ def _moe_sum_kernel(partials_ptr, weights_ptr, out_ptr, C: tl.constexpr, TOP_K: 
                        other=0.0)  # [TILES_PAD, BLOCK_C]
         acc += tl.load(weights_ptr + pair) * tl.sum(part, axis=0)
     tl.store(out_ptr + n * C + c_offs, acc.to(out_ptr.dtype.element_ty), mask=in_c)  # one rounding, at the end
+    if OVERLAP:  # every down program has read its counter (this kernel waited on that grid): zero them for the next
+        if tl.program_id(1) == 0:  # call; several rows may zero one expert's, all the same store
+            for j in tl.static_range(TOP_K):
+                tl.store(ready_ptr + tl.load(ids_ptr + n * TOP_K + j), 0)
 
 
 def check_moe_inputs(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> None:
@@ -313,7 +366,8 @@ def check_moe_inputs(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Te
 
 def moe_experts_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, *,
                        blocks: MoEBlocks | None = None, out: Tensor | None = None,
-                       partials: Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> Tensor:
+                       partials: Tensor | None = None, ready: Tensor | None = None,
+                       out_dtype: torch.dtype = torch.float32) -> Tensor:
     """``moe_experts_torch``'s contract by the two kernels: x ``[N, C]``, expert_ids ``[N, k]``, weights
     ``[N, k]``, gate_up ``[E, 2I, C]`` (gate rows first), down ``[E, C, I]``; returns ``y [N, C]`` fp32
     (or ``out_dtype``: the fp32 sum rounded once as it is stored, which saves the model a cast).
@@ -321,6 +375,11 @@ def moe_experts_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: 
     ``blocks`` defaults to :func:`default_blocks`. ``out`` (``out_dtype`` ``[N, C]``) and ``partials``
     (fp32 ``[N k, T, C]``, T = ceil(I / block_i), or 1 in the split form) are the buffers to write
     instead of fresh ones (static buffers of a captured graph; the tests poison them).
+
+    ``ready`` (int32 ``[>= E]``, all zero): the per-expert counters of the overlapped split form
+    (``blocks.overlap``), which the call leaves all zero again. The caller owns it (the model: one buffer a
+    layer, zeroed once at load), so no call adds a zeroing launch; without it the call runs the plain split
+    form, the same bits.
     """
     check_moe_inputs(x, expert_ids, weights, gate_up, down)
     rows, hidden = x.shape
@@ -341,6 +400,13 @@ def moe_experts_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: 
           or not partials.is_contiguous() or partials.device != x.device):
         raise ValueError(f"partials {list(partials.shape)} {partials.dtype} on {partials.device}: expected "
                          f"contiguous fp32 [{num_pairs}, {num_tiles}, {hidden}] on {x.device}")
+    if ready is not None and (ready.dtype != torch.int32 or ready.dim() != 1 or ready.shape[0] < gate_up.shape[0]
+                              or ready.device != x.device):
+        raise ValueError(f"ready {list(ready.shape)} {ready.dtype} on {ready.device}: expected int32 "
+                         f"[>= {gate_up.shape[0]}] on {x.device}, all zero")
+    overlap = blocks.split and blocks.overlap and ready is not None
+    if not overlap:
+        ready = partials  # not read: the kernels' OVERLAP branches are not compiled
     if num_pairs == 0:
         return out.zero_()
     x, gate_up, down, ids = (t.contiguous() for t in (x, gate_up, down, expert_ids))  # the model's are already
@@ -354,17 +420,18 @@ def moe_experts_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: 
                 num_stages=blocks.num_stages, **launch)
     if blocks.split:
         h = torch.empty((num_pairs, width), dtype=down.dtype, device=x.device)  # [P, I]: L2-resident between the two
-        _moe_gate_up_kernel[(num_pairs, triton.cdiv(width, blocks.block_i))](
-            x, ids, gate_up, h, num_pairs, C=hidden, I=width, TOP_K=top_k, BLOCK_I=blocks.block_i,
-            BLOCK_K=blocks.block_k, **scan)
-        _moe_down_kernel[(num_pairs, triton.cdiv(hidden, blocks.block_c))](
-            ids, h, down, partials, num_pairs, C=hidden, I=width, BLOCK_C=blocks.block_c, BLOCK_D=blocks.block_d,
-            **scan)
+        i_tiles, c_tiles = triton.cdiv(width, blocks.block_i), triton.cdiv(hidden, blocks.block_c)
+        _moe_gate_up_kernel[(i_tiles, num_pairs) if overlap else (num_pairs, i_tiles)](
+            x, ids, gate_up, h, ready, num_pairs, C=hidden, I=width, TOP_K=top_k, BLOCK_I=blocks.block_i,
+            BLOCK_K=blocks.block_k, OVERLAP=overlap, **scan)
+        _moe_down_kernel[(c_tiles, num_pairs) if overlap else (num_pairs, c_tiles)](
+            ids, h, down, partials, ready, num_pairs, C=hidden, I=width, NUM_I_TILES=i_tiles, BLOCK_C=blocks.block_c,
+            BLOCK_D=blocks.block_d, OVERLAP=overlap, **scan)
     else:
         _moe_expert_tile_kernel[(num_pairs, num_tiles)](
             x, ids, gate_up, down, partials, num_pairs, C=hidden, I=width, TOP_K=top_k, NUM_TILES=num_tiles,
             BLOCK_I=blocks.block_i, BLOCK_K=blocks.block_k, BLOCK_C=blocks.block_c, **scan)
     _moe_sum_kernel[(rows, triton.cdiv(hidden, blocks.sum_block_c))](
-        partials, weights, out, C=hidden, TOP_K=top_k, NUM_TILES=num_tiles,
-        TILES_PAD=triton.next_power_of_2(num_tiles), BLOCK_C=blocks.sum_block_c, **launch)
+        partials, weights, out, ids, ready, C=hidden, TOP_K=top_k, NUM_TILES=num_tiles,
+        TILES_PAD=triton.next_power_of_2(num_tiles), BLOCK_C=blocks.sum_block_c, OVERLAP=overlap, **launch)
     return out

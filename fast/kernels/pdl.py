@@ -39,6 +39,15 @@ before" then rests on the programs that do wait, so every launch must have one. 
 first rule gives away: the programs launched under the previous kernel's last wave start their own loads
 under its tail. conformance/gpu/test_pdl.py checks both forms.
 
+A second exception, the overlapped MoE down kernel (``moe.py``, "Overlapped split form"; listed in
+:data:`EARLY_READERS` for its ids, whose check also covers it): it runs beside the gate/up kernel before it
+instead of after it. Each program triggers at once, waits on a per-expert counter that the gate/up programs
+release once their h stores are done (acquire; never a grid-wide wait), reads h, stores its partials, and passes
+``gdc_wait`` last. It is launched only once every gate/up program has started (they trigger right after their
+own waits), so the programs it waits on hold their slots; its completion still implies the gate/up kernel's
+(its final wait), so the sum kernel's wait implies both, and (c) holds for every kernel after it. Neither of
+the two kernels that overlap touches a ticket counter.
+
 The two calls are written out in each kernel rather than in a ``@triton.jit`` helper here: a jit
 function would make this module one of ``registry.py``'s kernel modules, and PDL has no twin. They
 sit behind the constexpr so the branch is not compiled when PDL is off, and never runs in Triton's
@@ -72,7 +81,8 @@ def _supported(device: torch.device) -> bool:
 # "module:kernel" -> what it reads before its wait and why that is safe (the module docstring's exception)
 EARLY_READERS = {
     "moe:_moe_down_kernel": "the expert ids (the router's, two kernels back: the gate/up kernel before it "
-                            "triggers after its own wait), to find its expert and whether it leads",
+                            "triggers after its own wait), to find its expert and whether it leads; overlapped, "
+                            "h too, once its expert's counter says it is written (the second exception)",
     "skinny_linear:_skinny_linear_kernel": "its weight (written once, at load), prefetched into L2 before the "
                                            "wait so its first bytes stream under the previous kernel's tail",
 }

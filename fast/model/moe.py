@@ -130,6 +130,8 @@ class FastMoE:
             self.shared_gate_up = self.gate_up_with_shared[num_experts]  # [2Is, C]
             self.shared_down = self.down_with_shared[num_experts]  # [C, Is]
             self.shared_expert_gate = self.router_with_shared[num_experts:].to(params.dtype)  # [1, C]
+            # the overlapped split form's per-expert counters (fast/kernels/moe.py): zero, and left zero by every call
+            self.ready = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
         else:
             self.w_router = params.get(f"{p}gate.weight", torch.float32)  # [E, C], routing in fp32
             self.gate_up = params.get(f"{p}experts.gate_up_proj")  # [E, 2I, C]
@@ -156,4 +158,4 @@ class FastMoE:
         (needs ``shared_as_expert``; the tests call it on the CPU under Triton's interpreter)."""
         expert_ids, weights = route_triton(x, self.router_with_shared, self.top_k, shared_gate=True)  # [N, k+1]
         return moe_experts_triton(x, expert_ids, weights, self.gate_up_with_shared, self.down_with_shared,
-                                  out_dtype=x.dtype)
+                                  ready=self.ready, out_dtype=x.dtype)
