@@ -63,7 +63,12 @@ class SkinnyConfig:
     # >= its K range all of it. Alone (a graph of back-to-back calls) it saved 0.2-0.7 us on the 35B-A3B draft's
     # conv kernel projections, q|k|v and o and lost 1-3 us on gate|up and down (perf13, c3-skinny.log); inside
     # the draft's layer chain (bench_pdl.py --configs-ab, PDL on) it measured within the rounds' spread: 516.3
-    # against 517.3 us for 8 layers. Kept on those three shapes, where it measured no slower anywhere.
+    # against 517.3 us for 8 layers. Kept on those three shapes, where it measured no slower anywhere. Asking L2 for
+    # whole weights further ahead, from a side stream while the latency-bound kernels before each GEMM run, lost in
+    # the same chain (perf14 calls 6 and 7, bench/results/2026-12-04-h200-perf14, the code in c6-draft-prefetch.diff.txt):
+    # 518.6 us without, 564.9 with all three points, 516.9 with o alone, 547.1 with the MLP conv's kernel projection
+    # and 24 MB of gate|up, 533.5 with the next layer's kernel projection and q|k|v: the prefetches slow the short
+    # kernels they run beside, which sit on the chain's critical path, more than they save the GEMMs.
     prefetch_k: int = 0
 
 
