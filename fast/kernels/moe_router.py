@@ -32,6 +32,12 @@ bench/kernels/bench_moe_router.py measures it against the floor (E C x 4 bytes o
 bandwidth): on the H200 5.9 us at one row (E = 256, C = 2048, k = 8) against 19.8 us for the
 torch sequence it replaced (bench/results/2026-12-01-h200/kernels/router.log).
 
+Tried and dropped (perf14 call 8, bench/results/2026-12-04-h200-perf14, the code in c8-router-fused.diff.txt): both
+kernels in one launch, the last logits program of each row block (by a ticket) selecting for the block's rows. At the
+35B-A3B router with its shared gate, graphs of 128 routers, interleaved rounds: 6.70 against 6.09 us a layer at one
+row, 14.35 against 7.09 at 8, 27.35 against 14.93 at 16 (the same ids; weights within 3e-8). The select's
+``[rows, E]`` tiles in the GEMV's 8-warp programs cost more than the launch they save.
+
 The shared expert as one more pair (``shared_gate=True``): w_router is ``[E + 1, C]``, its last row
 the shared expert's gate vector; kernel 1 computes its logit with the others, kernel 2 leaves it out
 of the softmax and the top-k and appends one column to each row's choices: id ``E`` (the index the
