@@ -135,6 +135,19 @@ def default_blocks(rows: int) -> MoEBlocks:
 # -- Triton ---------------------------------------------------------------------------------------
 
 @triton.jit
+def _pair_and_tile(PAIR_AXIS_SECOND: tl.constexpr):
+    """This program's (pair, tile): grid axes (pair, tile), or (tile, pair) so that the tiles of one pair's
+    expert are scheduled together (the overlapped split form)."""
+    if PAIR_AXIS_SECOND:
+        pair = tl.program_id(1)
+        tile = tl.program_id(0)
+    else:
+        pair = tl.program_id(0)
+        tile = tl.program_id(1)
+    return pair, tile
+
+
+@triton.jit
 def _scan_expert(ids_ptr, p, num_pairs, P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr):
     """Pair p's expert e, how many pairs choose e, and whether p is the first of them."""
     e = tl.load(ids_ptr + p)
@@ -237,12 +250,7 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, gate_up_ptr, h_ptr, ready_ptr, num_pairs
     if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule (the ids are the previous kernel's)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if OVERLAP:
-        p = tl.program_id(1)
-        tile = tl.program_id(0)
-    else:
-        p = tl.program_id(0)
-        tile = tl.program_id(1)
+    p, tile = _pair_and_tile(OVERLAP)
     e, count, leader = _scan_expert(ids_ptr, p, num_pairs, P_PAD, PAIR_TILE)
     if leader:
         i_offs, in_i, gate_rows, up_rows = _gate_up_rows(gate_up_ptr, e, tile, C, I, BLOCK_I)
@@ -281,12 +289,7 @@ leaders (P > 0), and their waits keep the completion order pdl.py's rule (c) rel
     OVERLAP (module docstring, "Overlapped split form"): the grid is (C tile, pair); a leader triggers its
     dependents at once, waits for ``ready[e] == NUM_I_TILES`` (acquire) instead of the grid-wide wait, reads h
     through L2 only (``.cg``: no stale L1 line), and passes its ``gdc_wait`` at the end, after its stores."""
-    if OVERLAP:
-        p = tl.program_id(1)
-        tile = tl.program_id(0)
-    else:
-        p = tl.program_id(0)
-        tile = tl.program_id(1)
+    p, tile = _pair_and_tile(OVERLAP)
     e, count, leader = _scan_expert(ids_ptr, p, num_pairs, P_PAD, PAIR_TILE)
     if leader:
         c_offs = tile * BLOCK_C + tl.arange(0, BLOCK_C)
