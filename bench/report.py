@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 
@@ -34,14 +35,7 @@ def ratio_medians(pairs: list[tuple[dict, dict, float]]) -> list[tuple[tuple, li
     groups: dict[tuple, list[float]] = {}
     for r, _, ratio in pairs:
         groups.setdefault((r["setting"], r["concurrency"], r["prompt_len"]), []).append(ratio)
-    out = []
-    for key, ratios in groups.items():
-        if len(ratios) >= 2:
-            ordered = sorted(ratios)
-            mid = len(ordered) // 2
-            median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-            out.append((key, ratios, median))
-    return out
+    return [(key, ratios, statistics.median(ratios)) for key, ratios in groups.items() if len(ratios) >= 2]
 
 
 def markdown(result: dict) -> str:

@@ -216,8 +216,7 @@ def blocks_ab(layers, gen: torch.Generator, rows: int, rounds: int = 7) -> list[
     results = []
     for i, blocks in enumerate(variants):
         us = sorted(times[i])[len(times[i]) // 2]
-        got = moe_experts_triton(*args[0], blocks=blocks, ready=ready)
-        error = rms_rel(got, reference)
+        error = rms_rel(moe_experts_triton(*args[0], blocks=blocks, ready=ready), reference)
         results.append({"rows": rows, "variant": "default" if i == 0 else f"candidate {i}", "blocks": asdict(blocks),
                         "graph_us": us, "rounds_us": times[i], "fraction_of_floor": floor_us / us,
                         "rms_rel_vs_torch": error, "numeric_ok": error <= 2e-2})
