@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from dflash2.fast.engine.sampler import verify_ragged
-from dflash2.fast.kernels.sampler import SamplingTensors
+from dflash2.fast.kernels.sampling.sampler import SamplingTensors
 from dflash2.fast.llm import LLM, SamplingParams
 from dflash2.reference.formats.config import load_target_config
 from dflash2.reference.formats.draft_config import load_draft_config

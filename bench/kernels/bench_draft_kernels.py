@@ -1,9 +1,9 @@
 """The draft's selector top-K at the released 35B-A3B draft's shapes, swept over its block size (issue 8:
 the draft forward is verify-only time).
 
-    top_candidates      the selector's block + merge top-16 over V      fast/kernels/selector.py
+    top_candidates      the selector's block + merge top-16 over V      fast/kernels/draft/selector.py
                         at BLOCK_V in {256 .. 4096}, each checked equal to BLOCK_V = 1024
-    project             the walk's g = h P^T (k = 7, C = 2048, r = 256)   fast/kernels/selector.py
+    project             the walk's g = h P^T (k = 7, C = 2048, r = 256)   fast/kernels/draft/selector.py
                         the torch form against project_triton's block_r in {1 .. 16}
 
 V = 248320, 7 rows (one request's k = 7 slots), bf16 logits. Times: device microseconds per call from a CUDA
@@ -25,7 +25,7 @@ import torch
 import triton
 
 from dflash2.bench.measure import graph_replay_us
-from dflash2.fast.kernels.selector import project_triton, top_candidates_triton
+from dflash2.fast.kernels.draft.selector import project_triton, top_candidates_triton
 
 V, SLOTS = 248320, 7
 BLOCK_VS = (256, 512, 1024, 2048, 4096)

@@ -1,15 +1,15 @@
 """Fused per-layer ops of the decode/verify step against the torch sequences they replace, beside the floor.
 
-The fusions (fast/kernels/rms_norm.py, gdn_prologue.py, attention_prologue.py, swiglu.py), each against its
+The fusions (fast/kernels/dense/rms_norm.py, gdn_prologue.py, attention_prologue.py, swiglu.py), each against its
 torch twin (the model's torch form: the code path the CPU lane runs):
 
-    add_rms_norm    h = x + y; rmsnorm(h)                   [N, C]          twin: fast/model/norm.add_rms_norm_torch
-    gated_rms_norm  rmsnorm(o) * w * silu(z)                [N, Hv, Dv]     twin: norm.gated_rms_norm_torch
-    gdn_prologue    conv + silu + l2norms + g, beta         decode/verify   twin: gdn.gdn_prologue_torch
+    add_rms_norm    h = x + y; rmsnorm(h)                   [N, C]          twin: kernels/dense/rms_norm.add_rms_norm_torch
+    gated_rms_norm  rmsnorm(o) * w * silu(z)                [N, Hv, Dv]     twin: rms_norm.gated_rms_norm_torch
+    gdn_prologue    conv + silu + l2norms + g, beta         decode/verify   twin: gdn_prologue.gdn_prologue_torch
                     (+ the conv state write, or the verify-input capture)
-    qk_norm_rope    q/k head norms + RoPE + cast + K/V write                twin: rope.qk_norm_rope_torch
+    qk_norm_rope    q/k head norms + RoPE + cast + K/V write                twin: attention_prologue.qk_norm_rope_torch
     output_gate     attn * sigmoid(gate)                                    twin: attention_prologue.output_gate_torch
-    swiglu          silu(gate) * up of the gate|up GEMM     [N, 2I]         twin: mlp.swiglu_act_torch
+    swiglu          silu(gate) * up of the gate|up GEMM     [N, 2I]         twin: swiglu.swiglu_act_torch
                     (its torch time: F.silu(gate) * up in bf16, the form it replaced)
 
 at the released targets' shapes (bench/shapes/: Qwen3.5-27B C = 5120, GDN 16/48 heads of 128, conv
@@ -46,23 +46,25 @@ import traceback
 import torch
 import triton
 
-from dflash2.fast.kernels.attention_prologue import output_gate_torch, output_gate_triton, qk_norm_rope_triton
-from dflash2.fast.kernels.gdn_prologue import gdn_prologue_triton
-from dflash2.fast.kernels.rms_norm import add_rms_norm_triton, gated_rms_norm_triton
-from dflash2.fast.kernels.swiglu import swiglu_act_triton
-from dflash2.fast.model import attention as attention_module
-from dflash2.fast.model import gdn as gdn_module
-from dflash2.fast.model import layer as layer_module
-from dflash2.fast.model import mlp as mlp_module
+from dflash2.fast.kernels.attention.attention_prologue import output_gate_torch, output_gate_triton, qk_norm_rope_triton
+from dflash2.fast.kernels.gdn.gdn_prologue import gdn_prologue_triton
+from dflash2.fast.kernels.dense.rms_norm import add_rms_norm_triton, gated_rms_norm_triton
+from dflash2.fast.kernels.dense.swiglu import swiglu_act_triton
+from dflash2.fast.kernels.attention.attention_prologue import output_gate, qk_norm_rope
+from dflash2.fast.kernels.common.dispatch import forced_torch
+from dflash2.fast.kernels.dense.rms_norm import add_rms_norm, gated_rms_norm
+from dflash2.fast.kernels.dense.swiglu import swiglu_act
+from dflash2.fast.kernels.gdn.delta_rule import gdn_recurrence
+from dflash2.fast.kernels.gdn.gdn_prologue import gdn_prologue
 from dflash2.fast.model.batch import ForwardBatch
-from dflash2.fast.model.gdn import gdn_prologue_torch
+from dflash2.fast.kernels.gdn.gdn_prologue import gdn_prologue_torch
 from dflash2.fast.model.layer import FastDecoderLayer
-from dflash2.fast.model.mlp import swiglu_act_torch
-from dflash2.fast.model.norm import add_rms_norm_torch, gated_rms_norm_torch
-from dflash2.fast.model.ops import DEFAULT_OPS
+from dflash2.fast.kernels.dense.swiglu import swiglu_act_torch
+from dflash2.fast.kernels.dense.rms_norm import add_rms_norm_torch, gated_rms_norm_torch
 from dflash2.fast.model.params import Params
 from dflash2.fast.model.pools import CachePools
-from dflash2.fast.model.rope import qk_norm_rope_torch, rope_cos_sin
+from dflash2.fast.kernels.attention.attention_prologue import qk_norm_rope_torch
+from dflash2.fast.kernels.attention.rope import rope_cos_sin
 from dflash2.fast.model.step import StepMeta
 from dflash2.reference.formats.config import load_target_config
 from dflash2.reference.tiny.dummy import dummy_target_weights
@@ -292,32 +294,28 @@ def bench_ops(model: str, cfg, bw: float, gen: torch.Generator) -> list[dict]:
 
 
 @contextlib.contextmanager
-def torch_forms(layers):
-    """The layers' dispatchers patched to their torch twins: the code path before the fused kernels.
+def torch_forms():
+    """The fused ops sent to their torch twins: the code path before the fused kernels (the swiglu's
+    twin replaced by the two-rounding form it fused, ``swiglu_before``).
 
-    The GDN mixers also get their recurrence op wrapped, which turns off the in-place read of the
-    slot pool (FastGDN._recurrence): the states are gathered, zero-masked and handed over as before.
+    The GDN recurrence's torch form gathers the starting states and hands them to the gated delta rule
+    (still the Triton recurrence), which turns off the in-place read of the slot pool, as before.
     """
-    patches = [(layer_module, "add_rms_norm", add_rms_norm_torch), (gdn_module, "gated_rms_norm", gated_rms_norm_torch),
-               (gdn_module, "gdn_prologue", gdn_prologue_torch), (attention_module, "qk_norm_rope", qk_norm_rope_torch),
-               (attention_module, "output_gate", output_gate_torch), (mlp_module, "swiglu_act", swiglu_before)]
-    patches += [(layer.mixer, "gated_delta_rule", lambda *args, op=layer.mixer.gated_delta_rule: op(*args))
-                for layer in layers if layer.layer_type != "full_attention"]
-    saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
-    for m, name, fn in patches:
-        setattr(m, name, fn)
+    ops = [add_rms_norm, gated_rms_norm, gdn_prologue, gdn_recurrence, qk_norm_rope, output_gate, swiglu_act]
+    twin = swiglu_act.torch_form
+    swiglu_act.torch_form = swiglu_before
     try:
-        yield
+        with forced_torch(ops):
+            yield
     finally:
-        for m, name, fn in saved:
-            setattr(m, name, fn)
+        swiglu_act.torch_form = twin
 
 
 def bench_layers(model: str, cfg, gen: torch.Generator) -> list[dict]:
     """One GDN and one attention layer (dense model only), torch forms vs fused."""
     params = Params(cfg, dummy_target_weights(cfg, device=DEVICE), DT, DEVICE)
     first = {kind: cfg.layer_types.index(kind) for kind in ("linear_attention", "full_attention")}
-    layers = {kind: FastDecoderLayer(cfg, params, f"layers.{i}.", kind, DEFAULT_OPS) for kind, i in first.items()}
+    layers = {kind: FastDecoderLayer(cfg, params, f"layers.{i}.", kind) for kind, i in first.items()}
     max_seqs = ROWS[-1]
     pools = CachePools(cfg, max_seqs * PAGES_PER_SEQ, PAGE_SIZE, num_slots=max_seqs, max_verify_rows=VERIFY_ROWS,
                        max_verify_seqs=max_seqs // VERIFY_ROWS, dtype=DT, device=DEVICE, mtp=False)
@@ -340,7 +338,7 @@ def bench_layers(model: str, cfg, gen: torch.Generator) -> list[dict]:
                 for t, before in zip(stored, saved):
                     t.copy_(before)
                 count = n == (1 if step == "decode" else VERIFY_ROWS)  # the same at any N
-                with torch_forms(layers.values()):
+                with torch_forms():
                     torch_out = fn()
                     row["torch_graph_us"] = graph_us(fn, repeat=3)
                     if count:

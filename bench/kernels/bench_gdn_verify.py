@@ -8,7 +8,7 @@ CUDA-graph replays of:
   baseline a verify row is compared with;
 - ``verify``: one layer's verify recurrence (B x R rows from the slots, storing every row's k, v,
   g, beta into the verify scratch; no state written);
-- ``commit``: the commit of every layer in one launch (fast/kernels/gdn_commit.py): the kept rows
+- ``commit``: the commit of every layer in one launch (fast/kernels/gdn/gdn_commit.py): the kept rows
   replayed on each slot's state in place, and the conv state shifted, at kept = R and kept = R/2.
 
 Each beside its floor: the bytes it must move (states, row inputs, outputs, scratch) over the copy
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash2.bench.measure import copy_bandwidth, graph_seconds, rms_rel
-from dflash2.fast.kernels.gdn_commit import commit_verify_torch, commit_verify_triton
-from dflash2.fast.kernels.gdn_recurrent import gated_delta_rule_verify_triton
+from dflash2.fast.kernels.gdn.gdn_commit import commit_verify_torch, commit_verify_triton
+from dflash2.fast.kernels.gdn.gdn_recurrent import gated_delta_rule_verify_triton
 from dflash2.fast.model.pools import GDNSlots, GDNStack
 from dflash2.reference.formats.config import load_target_config
 
@@ -147,7 +147,8 @@ def tile_sweep(cfg, seqs: int, device: str, gen: torch.Generator) -> list[dict]:
     """The state tile (``default_block_v``, ``NUM_WARPS``: shared by the recurrence and the commit, set in both
     modules here) swept at one model's shapes: device us for every GDN layer's verify (one graph, as a step
     runs them), every layer's decode, and the commit, with the EXACT check of :func:`check` per tile."""
-    from dflash2.fast.kernels import gdn_commit, gdn_recurrent
+    from dflash2.fast.kernels.gdn import gdn_commit
+    from dflash2.fast.kernels.gdn import gdn_recurrent
 
     saved = (gdn_recurrent.NUM_WARPS, gdn_recurrent.default_block_v, gdn_commit.NUM_WARPS, gdn_commit.default_block_v)
     out = []

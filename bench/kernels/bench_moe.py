@@ -1,5 +1,5 @@
-"""Routed-experts benchmark: the Triton MoE kernels (fast/kernels/moe.py) against the torch form
-(fast/model/moe.moe_experts_torch) at Qwen3.5-35B-A3B's shapes, beside the floor.
+"""Routed-experts benchmark: the Triton MoE kernels (fast/kernels/moe/moe.py) against the torch form
+(fast/kernels/moe/moe.moe_experts_torch) at Qwen3.5-35B-A3B's shapes, beside the floor.
 
     C = 2048, I = 512, E = 256, k = 8, bf16; N in {1, 4, 8, 16, 32, 64, 128} rows (+ 256, the dispatch limit)
     floor = distinct experts chosen x (2I C + C I) x 2 bytes / bandwidth  (6 MiB per expert; N = 1: 48 MiB)
@@ -32,8 +32,8 @@ import torch.profiler
 import triton
 from triton.testing import do_bench
 
-from dflash2.fast.kernels.moe import MAX_TRITON_PAIRS, MoEBlocks, default_blocks, moe_experts_triton
-from dflash2.fast.model.moe import moe_experts_torch
+from dflash2.fast.kernels.moe.moe import MAX_TRITON_PAIRS, MoEBlocks, default_blocks, moe_experts_triton
+from dflash2.fast.kernels.moe.moe import moe_experts_torch
 from dflash2.bench.measure import copy_bandwidth, rms_rel
 
 HIDDEN, WIDTH, EXPERTS, TOP_K = 2048, 512, 256, 8
@@ -41,7 +41,7 @@ ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
 LAYERS = 8
 NOMINAL_BW = 4.25e12
 EXPERT_BYTES = (2 * WIDTH * HIDDEN + HIDDEN * WIDTH) * 2
-SPLIT = dict(split=True)  # the split form (fast/kernels/moe.py): gate/up -> h, then the down projection by C tile
+SPLIT = dict(split=True)  # the split form (fast/kernels/moe/moe.py): gate/up -> h, then the down projection by C tile
 SWEEP = {  # beside each N's default (fast/kernels/moe.default_blocks); one compile each
     1: [MoEBlocks(block_c=256, num_stages=4, sum_block_c=16), MoEBlocks(block_c=256, num_stages=4, sum_block_c=32),
         MoEBlocks(block_c=256, num_stages=4, sum_block_c=128), MoEBlocks(block_i=16, block_c=64, **SPLIT),
@@ -193,7 +193,7 @@ def pdl_ab(layers, gen: torch.Generator, rows_list: list[int], rounds: int = 5) 
 
 BLOCKS_AB = {  # rows -> the candidates --blocks-ab sets beside default_blocks(rows), from a sweep that favoured them
     1: [MoEBlocks(block_i=16, block_c=64, num_stages=4, **SPLIT)],  # perf12 call 5: 20.7 against 22.3 us a layer
-    # the defaults from 8 to 16 rows are the overlapped split form (fast/kernels/moe.py); against it, the plain split
+    # the defaults from 8 to 16 rows are the overlapped split form (fast/kernels/moe/moe.py); against it, the plain split
     # form it replaced (perf14 calls 3 and 4, bench/results/2026-12-04-h200-perf14, held the other candidates)
     8: [MoEBlocks(block_i=32, block_c=64, **SPLIT)],
     16: [MoEBlocks(block_i=64, block_c=128, **SPLIT)],

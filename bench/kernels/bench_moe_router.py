@@ -1,4 +1,4 @@
-"""MoE router benchmark: the Triton router (fast/kernels/moe_router.py, two kernels) against its torch
+"""MoE router benchmark: the Triton router (fast/kernels/moe/moe_router.py, two kernels) against its torch
 twin (fast/kernels/moe_router.route_torch: fp32 GEMM, softmax, stable sort, renormalise) and the
 former torch.topk sequence, beside the floor.
 
@@ -29,7 +29,7 @@ from dataclasses import asdict
 import torch
 
 from dflash2.bench.measure import copy_bandwidth, graph_seconds, rms_rel
-from dflash2.fast.kernels.moe_router import RouterBlocks, default_blocks, route_torch, route_triton
+from dflash2.fast.kernels.moe.moe_router import RouterBlocks, default_blocks, route_torch, route_triton
 
 SHAPES = ((256, 2048, 8), (512, 4096, 10))  # (E, C, k)
 ROWS = (1, 8, 32, 128)

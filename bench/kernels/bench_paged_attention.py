@@ -1,5 +1,5 @@
-"""Paged-attention benchmark: the split-KV Triton kernel (fast/kernels/paged_attention.py) against the
-model's torch form (fast/model/attention.paged_attention_torch, a gather of each whole context) at
+"""Paged-attention benchmark: the split-KV Triton kernel (fast/kernels/attention/paged_attention.py) against the
+torch twin (fast/kernels/attention/paged_attention.paged_attention_torch, a gather of each whole context) at
 the released targets' attention shapes, beside the floor.
 
     Qwen3.5-27B:      H = 24, Hkv = 4, D = 256        Qwen3.5-35B-A3B: H = 16, Hkv = 2, D = 256
@@ -31,8 +31,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from dflash2.fast.kernels.paged_attention import launch_plan, paged_attention_triton
-from dflash2.fast.model.attention import paged_attention_torch
+from dflash2.fast.kernels.attention.paged_attention import launch_plan, paged_attention_triton
+from dflash2.fast.kernels.attention.paged_attention import paged_attention_torch
 from dflash2.fast.model.batch import ForwardBatch
 from dflash2.fast.model.pools import CachePools
 from dflash2.fast.model.step import StepMeta

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (fast/kernels/pdl.py) on and off, over the draft's per-layer kernel chain.
+"""Programmatic dependent launch (fast/kernels/common/pdl.py) on and off, over the draft's per-layer kernel chain.
 
 The 35B-A3B draft's own Triton kernels at 8 rows (one request's block), as ``fast/model/draft.py``'s
 ``_layer`` runs them:
@@ -42,13 +42,13 @@ import torch
 import triton
 
 from dflash2.bench.measure import capture_graph, graph_replay_us
-from dflash2.fast.kernels.attention_prologue import draft_qk_norm_rope_triton
-from dflash2.fast.kernels.conv_finish_norm import conv_finish_norm_triton
-from dflash2.fast.kernels.dynamic_conv import grouped_dynamic_conv_triton
-from dflash2.fast.kernels.pdl import pdl_enabled
-from dflash2.fast.kernels.ring_attention import launch_plan, ring_attention_triton
-from dflash2.fast.kernels.skinny_linear import H200_TUNED, SkinnyConfig, skinny_linear_triton
-from dflash2.fast.kernels.tickets import MAX_COUNTERS, ticket_counters
+from dflash2.fast.kernels.attention.attention_prologue import draft_qk_norm_rope_triton
+from dflash2.fast.kernels.draft.conv_finish_norm import conv_finish_norm_triton
+from dflash2.fast.kernels.draft.dynamic_conv import grouped_dynamic_conv_triton
+from dflash2.fast.kernels.common.pdl import pdl_enabled
+from dflash2.fast.kernels.draft.ring_attention import launch_plan, ring_attention_triton
+from dflash2.fast.kernels.dense.skinny_linear import H200_TUNED, SkinnyConfig, skinny_linear_triton
+from dflash2.fast.kernels.common.tickets import MAX_COUNTERS, ticket_counters
 
 C, H, HKV, D, INTER, TAPS, GROUP, WINDOW, CAPACITY = 2048, 16, 4, 128, 5632, 2, 16, 2048, 2112
 ROWS, LAYERS, EPS = 8, 8, 1e-6
@@ -62,7 +62,7 @@ def cuda_device() -> torch.device:
 
 @contextlib.contextmanager
 def env_switch(name: str, on: bool):
-    """Environment variable ``name`` = "1" or "0" for the launches inside, restored after (fast/kernels/pdl.py reads
+    """Environment variable ``name`` = "1" or "0" for the launches inside, restored after (fast/kernels/common/pdl.py reads
     DFLASH2_PDL and DFLASH2_PREFETCH at every launch)."""
     old = os.environ.get(name)
     os.environ[name] = "1" if on else "0"

@@ -1,4 +1,4 @@
-"""The draft's window attention over its K/V ring (fast/kernels/ring_attention.py) at the released 35B-A3B and
+"""The draft's window attention over its K/V ring (fast/kernels/draft/ring_attention.py) at the released 35B-A3B and
 27B drafts' shapes, one request (8 block rows, the window full), swept over the split plan.
 
     35B-A3B draft: H = 16, Hkv = 4, D = 128, W = 2048;  27B draft: H = 32, Hkv = 8, D = 128, W = 2048
@@ -23,7 +23,7 @@ import torch
 import triton
 
 from dflash2.bench.measure import copy_bandwidth, graph_replay_us, rms_rel
-from dflash2.fast.kernels.ring_attention import ring_attention_triton
+from dflash2.fast.kernels.draft.ring_attention import ring_attention_triton
 
 SHAPES = {"35b-a3b": (16, 4, 128), "27b": (32, 8, 128)}  # H, Hkv, D
 WINDOW, CAPACITY, ROWS, LAYERS = 2048, 2112, 8, 32

@@ -1,4 +1,4 @@
-"""The skinny-M linear (fast/kernels/skinny_linear.py) against cuBLAS (torch's matmul) at the draft's GEMM
+"""The skinny-M linear (fast/kernels/dense/skinny_linear.py) against cuBLAS (torch's matmul) at the draft's GEMM
 shapes, 8 rows a request (issue 8: the draft forward is verify-only time), beside each shape's floor.
 
     35B-A3B draft (C = 2048): the conv kernel projection [512, C], q|k|v [3072, C], o [C, 2048],
@@ -27,8 +27,8 @@ import torch
 import triton
 
 from dflash2.bench.measure import copy_bandwidth, graph_replay_us, rms_rel
-from dflash2.fast.kernels.skinny_linear import SkinnyConfig, default_config, skinny_linear_triton
-from dflash2.fast.kernels.swiglu import swiglu_act_triton
+from dflash2.fast.kernels.dense.skinny_linear import SkinnyConfig, default_config, skinny_linear_triton
+from dflash2.fast.kernels.dense.swiglu import swiglu_act_triton
 
 MIN_BYTES = 256 << 20
 PREFETCH_KS = (0, 512, 1 << 20)  # SkinnyConfig.prefetch_k: none, the first 512 K columns of a split, all

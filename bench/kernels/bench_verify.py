@@ -23,9 +23,9 @@ import time
 import torch
 
 from dflash2.fast.engine.sampler import sample_next
-from dflash2.fast.kernels.rejection import verify_torch, verify_triton
-from dflash2.fast.kernels.row_filter import filter_torch, filter_triton, kept_by_cut, scaled_logits
-from dflash2.fast.kernels.sampler import SamplingTensors, sample_torch
+from dflash2.fast.kernels.sampling.rejection import verify_torch, verify_triton
+from dflash2.fast.kernels.sampling.row_filter import filter_torch, filter_triton, kept_by_cut, scaled_logits
+from dflash2.fast.kernels.sampling.sampler import SamplingTensors, sample_torch
 from dflash2.reference.request.sampling_params import SamplingParams
 
 HBM_BYTES_PER_S = 4.25e12  # the floor's bandwidth (project convention); the measured copy bandwidth is beside it

@@ -20,8 +20,8 @@ import math
 import pytest
 import torch
 
-from dflash2.fast.kernels.rejection import verify_torch, verify_triton
-from dflash2.fast.kernels.sampler import SamplingTensors
+from dflash2.fast.kernels.sampling.rejection import verify_torch, verify_triton
+from dflash2.fast.kernels.sampling.sampler import SamplingTensors
 from dflash2.reference.request.sampling_params import SamplingParams
 
 V, K = 6, 3

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dflash2.fast.kernels.philox import seeds_tensor
+from dflash2.fast.kernels.sampling.philox import seeds_tensor
 import dflash2.fast.model.draft as draft_module
 from dflash2.fast.model.draft import FastDraft
 from dflash2.fast.speculative.dflash import FastDFlashProposer

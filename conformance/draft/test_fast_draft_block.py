@@ -17,14 +17,9 @@ import os
 import pytest
 import torch
 
-import dflash2.fast.kernels.context_kv as context_kv
-import dflash2.fast.kernels.dynamic_conv as dynamic_conv
-import dflash2.fast.kernels.paged_attention as paged_attention
-import dflash2.fast.kernels.ring_attention as ring_attention
-import dflash2.fast.model.mlp as mlp
-import dflash2.fast.model.norm as norm
-import dflash2.fast.model.rope as rope
-from dflash2.fast.kernels.triton_compat import HAS_TRITON
+import dflash2.fast.kernels.attention.paged_attention as paged_attention
+from dflash2.fast.kernels.common.dispatch import forced_gpu
+from dflash2.fast.kernels.common.triton_compat import HAS_TRITON
 from dflash2.fast.model.draft import batch_invariant_linear
 from dflash2.fast.speculative.dflash import FastDFlashProposer
 from dflash2.reference.speculative.ring import Ring
@@ -145,9 +140,9 @@ def cuda_kernels(monkeypatch):
     """Every block-side dispatch sent to its Triton kernel (the interpreter without a GPU), planned for 132 SMs."""
     if not HAS_TRITON or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
         pytest.skip("needs Triton on CUDA or its interpreter")
-    for module in (norm, rope, dynamic_conv, context_kv, ring_attention, mlp):
-        monkeypatch.setattr(module, "use_triton", lambda *tensors: True)
     monkeypatch.setattr(paged_attention, "_sm_count", lambda device: 132)
+    with forced_gpu():
+        yield
 
 
 def test_blocks_match_the_reference_with_the_cuda_kernels(small_window, released_window, tiny_target, cuda_kernels):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.fast.engine.graphs import GraphKey, TargetGraphs, batch_view, capturable
+from dflash2.fast.engine.graphs import GraphKey, TargetGraphs, batch_view
 from dflash2.fast.llm import LLM, SamplingParams
 from dflash2.reference.runner import ReferenceRunner
 from dflash2.reference.tiny.draft import write_tiny_draft
@@ -51,7 +51,7 @@ def test_replay_equals_eager_on_the_same_padded_batch(stack, dtype):
     llm = LLM(target_dir, dtype=dtype, device="cuda", max_running_req=4, enforce_eager=True,  # scratch for 8 rows
               speculative_algorithm="dflash", speculative_draft_model_path=draft_dir, speculative_num_steps=7)
     target, pools = llm.engine.model.target, llm.engine.model.pools
-    assert capturable(target), f"{name}: the target's forward is not capturable (an op syncs with the host)"
+    assert target.capturable(), f"{name}: the target's forward is not capturable (an op syncs with the host)"
     # write some context into slots 0..2 with an eager prefill so the step reads real state
     llm.generate([[5, 6, 7, 8, 9, 10, 11], [3, 4], [7] * 20], SamplingParams(max_tokens=3, temperature=0.0))
     graphs = TargetGraphs(target, pools, max_seqs=4, max_pages=8)

@@ -12,17 +12,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.fast.kernels.attention_prologue import draft_qk_norm_rope_triton
-from dflash2.fast.kernels.dynamic_conv import grouped_dynamic_conv_torch, grouped_dynamic_conv_triton
-from dflash2.fast.kernels.gdn_commit import commit_verify_torch, commit_verify_triton
-from dflash2.fast.kernels.gdn_recurrent import VerifyRowInputs, gated_delta_rule_verify_triton
-from dflash2.fast.kernels.philox import keyed_uniform_torch, keyed_uniform_triton
-from dflash2.fast.kernels.rejection import verify_torch, verify_triton
-from dflash2.fast.kernels.ring_attention import ring_attention_torch, ring_attention_triton
-from dflash2.fast.kernels.sampler import SamplingTensors, sample_torch, sample_triton, target_probs_torch
-from dflash2.fast.kernels.sampler import target_probs_triton
-from dflash2.fast.kernels.selector import select_torch, select_triton
-from dflash2.fast.model.rope import draft_qk_norm_rope_torch, rope_cos_sin
+from dflash2.fast.kernels.attention.attention_prologue import draft_qk_norm_rope_triton
+from dflash2.fast.kernels.draft.dynamic_conv import grouped_dynamic_conv_torch, grouped_dynamic_conv_triton
+from dflash2.fast.kernels.gdn.gdn_commit import commit_verify_torch, commit_verify_triton
+from dflash2.fast.kernels.gdn.gdn_recurrent import VerifyRowInputs, gated_delta_rule_verify_triton
+from dflash2.fast.kernels.sampling.philox import keyed_uniform_torch, keyed_uniform_triton
+from dflash2.fast.kernels.sampling.rejection import verify_torch, verify_triton
+from dflash2.fast.kernels.draft.ring_attention import ring_attention_torch, ring_attention_triton
+from dflash2.fast.kernels.sampling.sampler import SamplingTensors, sample_torch, sample_triton, target_probs_torch
+from dflash2.fast.kernels.sampling.sampler import target_probs_triton
+from dflash2.fast.kernels.draft.selector import select_torch, select_triton
+from dflash2.fast.kernels.attention.attention_prologue import draft_qk_norm_rope_torch
+from dflash2.fast.kernels.attention.rope import rope_cos_sin
 from dflash2.reference.request.rng import Purpose
 from dflash2.reference.request.sampling_params import SamplingParams
 
@@ -166,7 +167,7 @@ def test_gdn_verify_commit_replays_bit_identically_at_released_shapes(value_head
     """Rollback by replay at Hv = 32 or 48 / Hk = 16 heads of 128, R = 8 rows, bf16 v, the launchers' default
     tiles (what the engine runs): the verify recurrence stores its rows' inputs and writes no state; the commit
     then leaves in every slot bit for bit the final state of a decode-style run of the kept rows through the
-    recurrence kernel (fast/kernels/gdn_commit.py: the same tiles, warps and row update); NUMERIC fp32 against
+    recurrence kernel (fast/kernels/gdn/gdn_commit.py: the same tiles, warps and row update); NUMERIC fp32 against
     the torch commit; the conv state EXACT against it."""
     layers, seqs, rows, hk, dk, cd, taps = 2, 5, 8, 16, 128, 64, 3
     gen = torch.Generator(device="cuda").manual_seed(7)

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (fast/kernels/pdl.py) for the draft's own Triton kernels.
+"""Programmatic dependent launch (fast/kernels/common/pdl.py) for the draft's own Triton kernels.
 
 1. Off where it cannot run: on the CPU, under Triton's interpreter, and with ``DFLASH2_PDL=0``; then the
    launch options are empty (so nothing reaches the interpreter's launcher).
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash2.fast.kernels import pdl
-from dflash2.fast.kernels.conv_finish_norm import conv_finish_norm_triton
-from dflash2.fast.kernels.skinny_linear import SkinnyConfig, skinny_linear_triton
-from dflash2.fast.kernels.tickets import MAX_COUNTERS, ticket_counters
+from dflash2.fast.kernels.common import pdl
+from dflash2.fast.kernels.draft.conv_finish_norm import conv_finish_norm_triton
+from dflash2.fast.kernels.dense.skinny_linear import SkinnyConfig, skinny_linear_triton
+from dflash2.fast.kernels.common.tickets import MAX_COUNTERS, ticket_counters
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "fast" / "kernels"
 
@@ -89,7 +89,7 @@ def pdl_kernels(directory: Path = KERNEL_DIR, early: dict | None = None) -> dict
     the wait and the trigger first (after the docstring), or for an early reader the exception's form."""
     early = pdl.EARLY_READERS if early is None else early
     found = {}
-    for path in sorted(directory.glob("*.py")):
+    for path in sorted(directory.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.FunctionDef) or "PDL" not in [a.arg for a in node.args.args]:
                 continue
@@ -213,8 +213,8 @@ def test_moe_sublayers_in_a_graph_are_exact_with_pdl(monkeypatch, rows):
     the router's kernels, then the experts', each layer's ids fresh from its router, one counter buffer for all
     (the model's is one a layer). PDL on and off: every replay equals the eager calls bit for bit, both give
     the same bits, and the counters are left zero."""
-    from dflash2.fast.kernels.moe import default_blocks, moe_experts_triton
-    from dflash2.fast.kernels.moe_router import route_triton
+    from dflash2.fast.kernels.moe.moe import default_blocks, moe_experts_triton
+    from dflash2.fast.kernels.moe.moe_router import route_triton
 
     c, width, experts, top_k = 2048, 512, 64, 8
     device = torch.device("cuda", torch.cuda.current_device())

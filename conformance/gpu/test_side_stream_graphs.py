@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dflash2.fast.engine.side_stream import SIDE_LANE, SideStream
-from dflash2.fast.kernels import tickets
-from dflash2.fast.kernels.skinny_linear import SkinnyConfig, skinny_linear_triton
+from dflash2.fast.kernels.common import tickets
+from dflash2.fast.kernels.dense.skinny_linear import SkinnyConfig, skinny_linear_triton
 from dflash2.fast.model import capture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

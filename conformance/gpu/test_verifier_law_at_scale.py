@@ -53,8 +53,8 @@ from torch import Tensor
 
 from dflash2.fast.engine.runner import graph_summary
 from dflash2.fast.engine.sampler import verify_ragged
-from dflash2.fast.kernels.philox import seeds_tensor
-from dflash2.fast.kernels.sampler import HostSummary, SamplingTensors
+from dflash2.fast.kernels.sampling.philox import seeds_tensor
+from dflash2.fast.kernels.sampling.sampler import HostSummary, SamplingTensors
 from dflash2.reference.request.sampling_params import SamplingParams
 from dflash2.reference.speculative.sampling import target_probs
 

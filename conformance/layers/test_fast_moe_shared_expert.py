@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.fast.kernels.triton_compat import HAS_TRITON
-from dflash2.fast.model.moe import FastMoE, moe_experts
+from dflash2.fast.kernels.common.triton_compat import HAS_TRITON
+from dflash2.fast.model.moe import FastMoE
 from dflash2.fast.model.params import Params
 from dflash2.reference.model.moe import SparseMoE
 from dflash2.reference.tiny.target import TinyTargetSpec, tiny_target_config
@@ -33,7 +33,7 @@ def sublayers(shared_width: int, device: str = "cpu"):
                           seed=5)
     cfg = tiny_target_config(spec)
     weights = tiny_target_weights(cfg, seed=5)
-    fast = FastMoE(cfg, Params(cfg, weights, torch.float32, device), PREFIX, moe_experts)
+    fast = FastMoE(cfg, Params(cfg, weights, torch.float32, device), PREFIX)
     return fast, SparseMoE(cfg, weights, PREFIX), weights, cfg
 
 

@@ -16,9 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.fast.model import gdn as gdn_module
-from dflash2.fast.model import pools as pools_module
-from dflash2.fast.model.pools import CachePools, commit_verify
+from dflash2.fast.kernels.common.dispatch import forced_gpu
+from dflash2.fast.kernels.gdn.delta_rule import gated_delta_rule, gdn_recurrence
+from dflash2.fast.kernels.gdn.gdn_commit import gdn_commit
+from dflash2.fast.kernels.gdn.gdn_prologue import gdn_prologue
+from dflash2.fast.model.pools import CachePools
+from dflash2.fast.speculative.commit import commit_verify
 from dflash2.fast.model.step import StepMeta
 from dflash2.fast.model.target import FastTarget
 from dflash2.reference.formats.checkpoint import load_target
@@ -235,15 +238,14 @@ def test_fast_target_fp32_whole_model_matches_reference(checkpoint, device):
     assert max(log.pooled_error.values()) <= log.bound, "\n".join(log.lines())
 
 
-def test_fast_target_on_the_gdn_kernel_paths_matches_reference(dense_checkpoint, monkeypatch):
+def test_fast_target_on_the_gdn_kernel_paths_matches_reference(dense_checkpoint):
     """The whole scenario with the GDN layers dispatched as on CUDA (pretended: Triton's interpreter runs
     the kernels on the CPU tensors): the fused prologue, the recurrence reading the slots in place and,
     in decode steps, writing them in place, and the one-launch commit of every layer. NUMERIC fp32."""
-    monkeypatch.setattr(gdn_module, "use_triton", lambda *tensors: True)
-    monkeypatch.setattr(pools_module, "use_triton", lambda *tensors: True)
     log = ErrorLog(f"NUMERIC fp32 {dense_checkpoint[0]} target, GDN kernel paths (interpreter)", BOUNDS[torch.float32])
     run = Run(dense_checkpoint, torch.float32, "cpu", log)
-    run.scenario()
+    with forced_gpu([gdn_prologue, gdn_recurrence, gated_delta_rule, gdn_commit]):
+        run.scenario()
     run.check_untouched_memory()
     REPORT.append(log)
     assert max(log.pooled_error.values()) <= log.bound, "\n".join(log.lines())

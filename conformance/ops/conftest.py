@@ -1,4 +1,4 @@
-"""Op-level conformance: every fast kernel against its reference twin (``fast/kernels/registry.py``).
+"""Op-level conformance: every fast kernel against its reference twin (``fast/kernels/common/registry.py``).
 
 Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors: the repository's root
 conftest sets TRITON_INTERPRET=1 before any test module imports a kernel module (the jit decorator
@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from dflash2.fast.kernels.triton_compat import HAS_TRITON
+from dflash2.fast.kernels.common.triton_compat import HAS_TRITON
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

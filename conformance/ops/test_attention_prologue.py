@@ -1,4 +1,4 @@
-"""fast/kernels/attention_prologue.py (and the model's torch form ``rope.qk_norm_rope_torch``) vs
+"""fast/kernels/attention/attention_prologue.py (and the model's torch form ``rope.qk_norm_rope_torch``) vs
 reference/model/norm.rms_norm + reference/model/rope.apply_rope, and the output gate vs
 reference/model/attention.GatedAttention's ``attn * sigmoid(gate)``.
 
@@ -30,9 +30,10 @@ import pytest
 import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.attention_prologue import (draft_qk_norm_rope_triton, output_gate_torch, output_gate_triton,
+from dflash2.fast.kernels.attention.attention_prologue import (draft_qk_norm_rope_triton, output_gate_torch, output_gate_triton,
                                                      qk_norm_rope_triton)
-from dflash2.fast.model.rope import draft_qk_norm_rope_torch, qk_norm_rope_torch, rope_cos_sin
+from dflash2.fast.kernels.attention.attention_prologue import draft_qk_norm_rope_torch, qk_norm_rope_torch
+from dflash2.fast.kernels.attention.rope import rope_cos_sin
 from dflash2.reference.model.draft import qwen3_rms_norm
 from dflash2.reference.model.norm import rms_norm
 from dflash2.reference.model.rope import apply_rope

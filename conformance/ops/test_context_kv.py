@@ -1,4 +1,4 @@
-"""fast/kernels/context_kv.py (the torch twin ``context_k_norm_rope_torch`` and the Triton launcher) vs
+"""fast/kernels/draft/context_kv.py (the torch twin ``context_k_norm_rope_torch`` and the Triton launcher) vs
 reference/model/draft.ReferenceDraft.context_kv: the draft's context keys (per-head Qwen3 k_norm with the
 weight as stored, then NeoX RoPE over the whole head) and values, ``[L, N, Hkv, D]``.
 
@@ -13,7 +13,7 @@ Shapes: tiny (L = 2, Hkv = 3, D = 20, padded to 32 in the kernel, theta 1e4, pos
 the released layout (L = 8, Hkv = 4, D = 128, theta 1e7, positions up to 262143: angles up to 2.6e5
 rad). fp32 and bf16; k NUMERIC against the reference (fp32 1e-5, bf16 2e-2), v NUMERIC against it and
 EXACT against the GEMM output; the Triton launcher NUMERIC against the torch twin; on the CPU the twin
-EXACT against the composition ``FastDraft.context_kv`` ran before it (fast/model/norm.rms_norm,
+EXACT against the composition ``FastDraft.context_kv`` ran before it (fast/kernels/dense/rms_norm.rms_norm,
 rope_cos_sin, apply_rope, the two transposed copies).
 
 Batch invariance (EXACT): three rows alone and inside a call of 40 rows give the same K/V bits, both
@@ -32,10 +32,10 @@ import pytest
 import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.context_kv import context_k_norm_rope_torch, context_k_norm_rope_triton
-from dflash2.fast.model.rope import rope_inv_freq
-from dflash2.fast.model.norm import rms_norm
-from dflash2.fast.model.rope import apply_rope, rope_cos_sin
+from dflash2.fast.kernels.draft.context_kv import context_k_norm_rope_torch, context_k_norm_rope_triton
+from dflash2.fast.kernels.attention.rope import rope_inv_freq
+from dflash2.fast.kernels.dense.rms_norm import rms_norm
+from dflash2.fast.kernels.attention.rope import apply_rope, rope_cos_sin
 from dflash2.reference.model.draft import ReferenceDraft
 
 EPS = 1e-6

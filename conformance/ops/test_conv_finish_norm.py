@@ -1,4 +1,4 @@
-"""fast/kernels/conv_finish_norm.py (the Triton launcher and the torch twin) vs the reference's conv finish
+"""fast/kernels/draft/conv_finish_norm.py (the Triton launcher and the torch twin) vs the reference's conv finish
 + residual add + Qwen3 norm: reference/model/conv.grouped_dynamic_conv block by block, then
 reference/model/draft.qwen3_rms_norm of ``r + y``: NUMERIC (fp32 1e-5, bf16 2e-2), h and u both.
 
@@ -28,11 +28,11 @@ import pytest
 import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.conv_finish_norm import (MAX_BLOCK, conv_finish_norm, conv_finish_norm_torch,
+from dflash2.fast.kernels.draft.conv_finish_norm import (MAX_BLOCK, conv_finish_norm, conv_finish_norm_torch,
                                                    conv_finish_norm_triton)
-from dflash2.fast.kernels.dynamic_conv import grouped_dynamic_conv_torch, grouped_dynamic_conv_triton
-from dflash2.fast.kernels.rms_norm import add_rms_norm_triton
-from dflash2.fast.model.norm import add_rms_norm_torch, rms_norm
+from dflash2.fast.kernels.draft.dynamic_conv import grouped_dynamic_conv_torch, grouped_dynamic_conv_triton
+from dflash2.fast.kernels.dense.rms_norm import add_rms_norm_triton
+from dflash2.fast.kernels.dense.rms_norm import add_rms_norm_torch, rms_norm
 from dflash2.reference.model.conv import grouped_dynamic_conv
 from dflash2.reference.model.draft import qwen3_rms_norm
 

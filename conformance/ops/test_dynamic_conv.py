@@ -1,4 +1,4 @@
-"""fast/kernels/dynamic_conv.py (the Triton launcher and the batched torch twin) vs
+"""fast/kernels/draft/dynamic_conv.py (the Triton launcher and the batched torch twin) vs
 reference/model/conv.grouped_dynamic_conv, block by block: NUMERIC (fp32 1e-5, bf16 2e-2).
 
 Shapes: the draft's K = 2, G = 16 over B = 3 blocks of 8 rows; K = 3 with G = 4 and C/G = 5 groups
@@ -14,7 +14,7 @@ import pytest
 import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.dynamic_conv import grouped_dynamic_conv_torch, grouped_dynamic_conv_triton
+from dflash2.fast.kernels.draft.dynamic_conv import grouped_dynamic_conv_torch, grouped_dynamic_conv_triton
 from dflash2.reference.model.conv import grouped_dynamic_conv
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -1,4 +1,4 @@
-"""fast/kernels/gdn_commit.py (the GDN verify commit, every layer in one launch: rollback by replay) vs
+"""fast/kernels/gdn/gdn_commit.py (the GDN verify commit, every layer in one launch: rollback by replay) vs
 the commit's definition, sequence by sequence. The recurrent state: the kept rows 0 .. kept-1 replayed
 from the slot's state (zeros for a zero-state sequence) by the reference's loop
 (reference/model/delta_rule.gated_delta_rule_recurrent), NUMERIC fp32 (the replay runs in fp32
@@ -9,11 +9,11 @@ bit and its states the torch form's to NUMERIC. Every slot no sequence owns stay
 for bit.
 
 The replay is a run of the kept rows, EXACT: verify (the recurrence storing its rows' inputs,
-fast/kernels/gdn_recurrent.py), then commit, equals bit for bit the final states of a decode-style
+fast/kernels/gdn/gdn_recurrent.py), then commit, equals bit for bit the final states of a decode-style
 run of each sequence's first kept rows through the same recurrence from the same states (the torch
 commit against the torch recurrence, the launcher against the Triton kernel: the same row update on
 the same tiles). And the engine's CPU form: ``gdn.gated_delta_rule_torch`` storing the inputs, then
-``pools.commit_verify``, equals that form run over the kept rows. conformance/layers/
+``speculative.commit.commit_verify``, equals that form run over the kept rows. conformance/layers/
 test_fast_target_vs_reference.py holds the whole engine's verify-then-commit to the reference's replay.
 
 Cases: B > 1 with distinct slots in no order, kept = 1 (the conv window still reaches into the
@@ -22,7 +22,7 @@ GVA (Hv = 2 Hk), fp32 and bf16 pools, Dv over two state programs per head (the l
 channel tiles that do not divide the sizes; a zero-state sequence (its slot holds NaN and must not
 be read) and padding sequences (the trash slot). Poison: every scratch row other than the ones the
 commit may read is NaN (rows kept and past, and the spare scratch sequences). Pools-level:
-``pools.commit_verify`` dispatched to the kernel equals its torch path on a whole CachePools.
+``speculative.commit.commit_verify`` dispatched to the kernel equals its torch path on a whole CachePools.
 Planted bugs: the state one row late, and a zero-state sequence reading its slot, must fail.
 """
 
@@ -34,13 +34,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash2.fast.kernels.gdn_commit import commit_verify_torch, commit_verify_triton
-from dflash2.fast.kernels.gdn_recurrent import (VerifyRowInputs, gated_delta_rule_verify_torch,
+from dflash2.fast.kernels.gdn.gdn_commit import commit_verify_torch, commit_verify_triton, gdn_commit
+from dflash2.fast.kernels.gdn.gdn_recurrent import (VerifyRowInputs, gated_delta_rule_verify_torch,
                                                 gated_delta_rule_verify_triton)
-from dflash2.fast.model import pools as pools_module
+from dflash2.fast.kernels.common.dispatch import GpuForm, forced_gpu, forced_torch
 from dflash2.fast.model.batch import PAD_SLOT, ForwardBatch
-from dflash2.fast.model.gdn import gated_delta_rule_torch
-from dflash2.fast.model.pools import CachePools, commit_verify
+from dflash2.fast.kernels.gdn.delta_rule import gated_delta_rule_torch
+from dflash2.fast.model.pools import CachePools
+from dflash2.fast.speculative.commit import commit_verify
 from dflash2.fast.model.step import StepMeta
 from dflash2.reference.model.delta_rule import gated_delta_rule_recurrent
 from dflash2.reference.tiny.target import tiny_target_config
@@ -295,13 +296,13 @@ def test_pools_commit_verify_dispatched_to_the_kernel(monkeypatch, report, dtype
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_pools, batch, kept = pools_and_batch(device, dtype)
     kernel_pools, _, _ = pools_and_batch(device, dtype)
-    monkeypatch.setattr(pools_module, "use_triton", lambda *tensors: False)
-    commit_verify(torch_pools, batch, kept)
+    with forced_torch([gdn_commit]):
+        commit_verify(torch_pools, batch, kept)
     launched = []
-    monkeypatch.setattr(pools_module, "use_triton", lambda *tensors: True)
-    monkeypatch.setattr(pools_module, "commit_verify_triton",
-                        lambda *args: launched.append(1) or commit_verify_triton(*args))
-    commit_verify(kernel_pools, batch, kept)
+    monkeypatch.setattr(gdn_commit, "gpu_forms",
+                        (GpuForm(lambda *args: launched.append(1) or commit_verify_triton(*args)),))
+    with forced_gpu([gdn_commit]):
+        commit_verify(kernel_pools, batch, kept)
     assert launched == [1], "one launch for every layer"
     assert torch.equal(bits(torch_pools.gdn_stack.conv_storage), bits(kernel_pools.gdn_stack.conv_storage))
     report.numeric("recurrent", kernel_pools.gdn_stack.recurrent_storage[:, :3],
@@ -314,7 +315,7 @@ def test_pools_commit_verify_dispatched_to_the_kernel(monkeypatch, report, dtype
 
 def test_engine_torch_form_then_commit_is_a_run_of_the_kept_rows():
     """EXACT, the engine's CPU path: ``gdn.gated_delta_rule_torch`` on a verify step storing its rows' inputs into
-    a layer's scratch, then ``pools.commit_verify``, leaves in each real slot bit for bit the final state of
+    a layer's scratch, then ``speculative.commit.commit_verify``, leaves in each real slot bit for bit the final state of
     ``gated_delta_rule_torch`` run over the sequence's kept rows from the same state."""
     pools, verify_batch, kept = pools_and_batch("cpu", torch.float32)
     slots = next(iter(pools.gdn.values()))

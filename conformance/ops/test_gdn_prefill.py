@@ -1,4 +1,4 @@
-"""fast/kernels/gdn_prefill.py (flash-linear-attention's chunked kernels) vs
+"""fast/kernels/gdn/gdn_prefill.py (flash-linear-attention's chunked kernels) vs
 reference/delta_rule.gated_delta_rule_recurrent: several sequences of different lengths (one row,
 within a 64-row chunk, exactly one chunk, across chunk boundaries) flattened with ``cu_seqlens``,
 GVA, starting states from a pool through ``state_index`` (NaN in the rows nobody reads; a negative
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from ops_helpers import NUMERIC_BOUND
 
-from dflash2.fast.kernels.gdn_prefill import fla_unavailable_reason, gated_delta_rule_prefill_fla
+from dflash2.fast.kernels.gdn.gdn_prefill import fla_unavailable_reason, gated_delta_rule_prefill_fla
 from dflash2.reference.model.delta_rule import gated_delta_rule_recurrent
 
 pytestmark = pytest.mark.gpu  # the CPU lane deselects it (scripts/test.sh); the GPU lane runs it

@@ -1,4 +1,4 @@
-"""fast/kernels/gdn_prologue.py (and the model's torch form ``gdn.gdn_prologue_torch``) vs
+"""fast/kernels/gdn/gdn_prologue.py (and the model's torch form ``gdn.gdn_prologue_torch``) vs
 reference/model/gdn.py (causal_conv1d, silu, l2norm, the decay and write-strength formulas of
 ``GatedDeltaNet.forward``), computed in float64 per sequence.
 
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.gdn_prologue import gdn_prologue_triton
-from dflash2.fast.model import gdn as gdn_module
+from dflash2.fast.kernels.gdn.gdn_prologue import gdn_prologue_triton
+from dflash2.fast.kernels.common.dispatch import forced_gpu
 from dflash2.fast.model.batch import PAD_SLOT, ForwardBatch
-from dflash2.fast.model.gdn import causal_conv1d_torch, gdn_prologue_torch
+from dflash2.fast.kernels.gdn.gdn_prologue import gdn_prologue, gdn_prologue_torch
 from dflash2.fast.model.pools import CachePools
 from dflash2.fast.model.step import StepMeta
 from dflash2.reference.model.gdn import causal_conv1d, l2norm
@@ -255,23 +255,22 @@ def test_refusals():
         gdn_prologue_triton(x, b, a, conv_weight=case.weight, **{**args, "dt_bias": torch.ones(3)})
 
 
-def test_dispatch(monkeypatch):
-    """With CUDA tensors (pretended), decode and verify steps take the kernel; prefill chunks and a
-    replaced conv op take the torch form."""
-    calls = []
-    monkeypatch.setattr(gdn_module, "use_triton", lambda *tensors: True)
-    monkeypatch.setattr(gdn_module, "gdn_prologue_triton", lambda *a: calls.append("triton"))
-    monkeypatch.setattr(gdn_module, "gdn_prologue_torch", lambda *a: calls.append("torch"))
-    other_conv = lambda *a: causal_conv1d_torch(*a)  # noqa: E731
-    for lens, verify, conv in [([1, 1], False, causal_conv1d_torch), ([3, 1], True, causal_conv1d_torch),
-                               ([3, 1], False, causal_conv1d_torch), ([1, 1], False, other_conv)]:
+def test_dispatch():
+    """With GPU forms allowed on any device (as on CUDA), decode and verify steps take the kernel and prefill
+    chunks the torch form; on CPU tensors, always the torch form."""
+    forms = {gdn_prologue_triton: "triton", gdn_prologue_torch: "torch"}
+    picked, on_cpu = [], []
+    for lens, verify in [([1, 1], False), ([3, 1], True), ([3, 1], False)]:
         case = make_case(lens, 1, 2, 4, 6, 4, (), verify, seed=3)
         cd = case.conv_dim
         scratch = torch.zeros(4, 4, cd) if verify else None
-        gdn_module.gdn_prologue(case.proj[:, :cd], case.proj[:, cd:cd + 2], case.proj[:, cd + 2:], case.pool,
-                                case.weight, torch.ones(2), torch.ones(2), step_meta(case, "cpu"), 1, 4, scratch,
-                                conv)
-    assert calls == ["triton", "triton", "torch", "torch"]
+        args = (case.proj[:, :cd], case.proj[:, cd:cd + 2], case.proj[:, cd + 2:], case.pool, case.weight,
+                torch.ones(2), torch.ones(2), step_meta(case, "cpu"), 1, 4, scratch)
+        with forced_gpu([gdn_prologue]):
+            picked.append(forms[gdn_prologue.pick(*args)])
+        on_cpu.append(forms[gdn_prologue.pick(*args)])
+    assert picked == ["triton", "triton", "torch"]
+    assert on_cpu == ["torch"] * 3
 
 
 def test_planted_bug_reversed_taps_are_caught(impl_device, report):

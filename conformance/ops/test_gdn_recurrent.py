@@ -1,4 +1,4 @@
-"""fast/kernels/gdn_recurrent.py vs reference/delta_rule.gated_delta_rule_recurrent: B sequences of
+"""fast/kernels/gdn/gdn_recurrent.py vs reference/delta_rule.gated_delta_rule_recurrent: B sequences of
 ragged row counts (decode, verify, a prefill longer than 16 rows), GVA (Hv = 2 or 3 x Hk), odd
 head dims and Dv split over several program blocks, starting states read through ``state_index``
 from a pool whose other rows are NaN (a negative index starts from zeros). NUMERIC on the outputs
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.gdn_recurrent import (VerifyRowInputs, gated_delta_rule_verify_torch,
+from dflash2.fast.kernels.gdn.gdn_recurrent import (VerifyRowInputs, gated_delta_rule_verify_torch,
                                                 gated_delta_rule_verify_triton)
 from dflash2.reference.model.delta_rule import gated_delta_rule_recurrent
 

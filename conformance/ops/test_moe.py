@@ -1,4 +1,4 @@
-"""fast/kernels/moe.py and the model's torch form vs reference/model/moe.routed_experts, computed in
+"""fast/kernels/moe/moe.py and the model's torch form vs reference/model/moe.routed_experts, computed in
 float64: odd sizes (C = 48, I = 40 in I tiles of 16 and C steps of 32, E = 7, k = 3), N in {1, 5, 17}
 rows routed unevenly (two experts never chosen, expert 0 chosen by every row: 17 rows are two
 chunks of 16, in a different slot per row; experts repeat across rows, never within one). NUMERIC
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.moe import MoEBlocks, default_blocks, moe_experts_triton
-from dflash2.fast.model.moe import moe_experts, moe_experts_torch
+from dflash2.fast.kernels.moe.moe import MoEBlocks, default_blocks, moe_experts_triton
+from dflash2.fast.kernels.moe.moe import moe_experts, moe_experts_torch
 from dflash2.reference.model.moe import routed_experts
 
 HIDDEN, WIDTH, EXPERTS, TOP_K = 48, 40, 7, 3

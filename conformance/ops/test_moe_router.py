@@ -1,4 +1,4 @@
-"""fast/kernels/moe_router.py and its torch twin vs reference/model/moe.route computed in float64:
+"""fast/kernels/moe/moe_router.py and its torch twin vs reference/model/moe.route computed in float64:
 odd sizes (C = 48; E in {7, 17, 64}; k in {1, 3, 8}; N in {1, 5, 33}), fp32 inputs (the CPU
 interpreter's bf16 arithmetic is not the GPU's), the default blocks and small ones (E, N and C
 tiles that do not divide the sizes), and C split across programs (2, 3 and 4 ranges, one cut at
@@ -16,8 +16,8 @@ import pytest
 import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.moe_router import RouterBlocks, default_blocks, route_torch, route_triton
-from dflash2.fast.model.moe import route
+from dflash2.fast.kernels.moe.moe_router import RouterBlocks, default_blocks, route_torch, route_triton
+from dflash2.fast.kernels.moe.moe_router import route
 from dflash2.reference.model.moe import route as reference_route
 
 HIDDEN = 48

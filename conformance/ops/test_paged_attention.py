@@ -1,4 +1,4 @@
-"""fast/kernels/paged_attention.py (and the model's torch form ``paged_attention_torch``) vs
+"""fast/kernels/attention/paged_attention.py (and the model's torch form ``paged_attention_torch``) vs
 reference/model/attention.causal_attention, one sequence at a time: decode (Tq = 1) and verify
 (Tq = 5, ragged rows per sequence) steps of three sequences whose contexts end mid-page, on a page
 boundary and after a few keys, plus a padding sequence (state slot -1) that must come out zero even
@@ -17,10 +17,10 @@ import pytest
 import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels import paged_attention as kernel_module
-from dflash2.fast.kernels.paged_attention import paged_attention_decode, paged_attention_triton
-from dflash2.fast.model import attention as attention_module
-from dflash2.fast.model.attention import paged_attention_torch
+from dflash2.fast.kernels.attention import paged_attention as kernel_module
+from dflash2.fast.kernels.attention.paged_attention import paged_attention_decode, paged_attention_triton
+from dflash2.fast.kernels.common.dispatch import forced_gpu
+from dflash2.fast.kernels.attention.paged_attention import paged_attention, paged_attention_torch
 from dflash2.fast.model.batch import PAD_SLOT, ForwardBatch
 from dflash2.fast.model.pools import CachePools
 from dflash2.fast.model.step import StepMeta
@@ -168,17 +168,19 @@ def test_split_plan_fills_one_wave_and_bounds_partials(monkeypatch, num_seqs, kv
     assert programs > target // 2 or split == floor or split >= context
 
 
-def test_dispatch_sends_decode_and_verify_steps_to_the_kernel(monkeypatch):
-    """With CUDA tensors (here: pretended), steps of <= 16 rows per sequence take the kernel, prefill the torch form."""
-    calls = []
-    monkeypatch.setattr(attention_module, "use_triton", lambda *tensors: True)
-    monkeypatch.setattr(attention_module, "paged_attention_triton", lambda *a: calls.append("triton") or 1)
-    monkeypatch.setattr(attention_module, "paged_attention_torch", lambda *a: calls.append("torch") or 1)
+def test_dispatch_sends_decode_and_verify_steps_to_the_kernel():
+    """With GPU forms allowed on any device (as on CUDA), steps of <= 16 rows per sequence take the kernel,
+    prefill the torch form; on CPU tensors, the torch form."""
+    forms = {paged_attention_triton: "triton", paged_attention_torch: "torch"}
+    picked, on_cpu = [], []
     for rows in (1, 5, 16, 17):
         case = make_case([40], [rows], 16, 8, seed=rows, pad_rows=0)
         meta = StepMeta.build(case.batch, case.pools)
-        attention_module.paged_attention(case.q, case.key_cache, case.value_cache, meta)
-    assert calls == ["triton", "triton", "triton", "torch"]
+        with forced_gpu([paged_attention]):
+            picked.append(forms[paged_attention.pick(case.q, case.key_cache, case.value_cache, meta)])
+        on_cpu.append(forms[paged_attention.pick(case.q, case.key_cache, case.value_cache, meta)])
+    assert picked == ["triton", "triton", "triton", "torch"]
+    assert on_cpu == ["torch"] * 4
 
 
 def test_step_meta_builds_the_torch_forms_fields_on_first_use():

@@ -1,4 +1,4 @@
-"""fast/kernels/philox.py vs reference/request/rng.py: keyed uniforms bit for bit (EXACT)."""
+"""fast/kernels/sampling/philox.py vs reference/request/rng.py: keyed uniforms bit for bit (EXACT)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from ops_helpers import pick
 
-from dflash2.fast.kernels import philox
-from dflash2.fast.kernels.philox import keyed_uniform_torch, keyed_uniform_triton, seeds_tensor
+from dflash2.fast.kernels.sampling import philox
+from dflash2.fast.kernels.sampling.philox import keyed_uniform_torch, keyed_uniform_triton, seeds_tensor
 from dflash2.reference.request.rng import MASK32, Purpose, uniform
 
 EDGE_SEEDS = [0, 1, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1]

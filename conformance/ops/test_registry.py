@@ -1,4 +1,4 @@
-"""The kernel registry (fast/kernels/registry.py) is complete: every entry resolves to its fast callables,
+"""The kernel registry (fast/kernels/common/registry.py) is complete: every entry resolves to its fast callables,
 its reference twin and an existing test file, and every module under fast/kernels/ that defines a
 Triton kernel is registered."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash2.fast.kernels.registry import KERNELS, KernelTwin
+from dflash2.fast.kernels.common.registry import KERNELS, KernelTwin
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_DIR = ROOT / "fast" / "kernels"
@@ -41,14 +41,14 @@ def registry_problems(kernels: tuple[KernelTwin, ...], kernel_dir: Path = KERNEL
     registered = {p.partition(":")[0].rsplit(".", 1)[-1] for k in kernels for p in k.fast}
     for module in sorted(triton_kernel_modules(kernel_dir)):
         if module not in registered:
-            problems.append(f"fast/kernels/{module}.py defines a Triton kernel but is not registered")
+            problems.append(f"fast/kernels/.../{module}.py defines a Triton kernel but is not registered")
     return problems
 
 
 def triton_kernel_modules(directory: Path) -> set[str]:
     """Modules with a function decorated by ``triton.jit`` (with or without arguments)."""
     found = set()
-    for path in directory.glob("*.py"):
+    for path in directory.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef):
                 for dec in node.decorator_list:
@@ -77,7 +77,7 @@ def test_planted_registry_gaps_are_caught(planted, tmp_path):
     elif planted == "no_test":
         kernels[0] = KernelTwin(first.name, first.fast, first.reference, "conformance/ops/test_missing.py")
     else:
-        for path in KERNEL_DIR.glob("*.py"):
+        for path in KERNEL_DIR.rglob("*.py"):
             (tmp_path / path.name).write_text(path.read_text())
         (tmp_path / "rogue.py").write_text("import triton\n\n@triton.jit\ndef k(x):\n    pass\n")
         kernel_dir = tmp_path

@@ -1,4 +1,4 @@
-"""fast/kernels/rejection.py vs reference/speculative/verify.py: num_accepted and emitted tokens EXACT (away from
+"""fast/kernels/sampling/rejection.py vs reference/speculative/verify.py: num_accepted and emitted tokens EXACT (away from
 acceptance-test, CDF and top-p near ties), over greedy and sampled requests, untrusted q rows (NaN, inf,
 negative, zero total, draft outside the candidates), one-hot q, wrong totals, odd V and K, k = 1..7; target rows
 at the filter's edges (ties at the k-th logit, top-p inside a tie group, -inf, all equal) under launch shapes that
@@ -15,9 +15,9 @@ import torch
 from ops_helpers import pick
 from test_sampler import CONFIGS, stress_rows, top_p_margin
 
-from dflash2.fast.kernels import rejection
-from dflash2.fast.kernels.rejection import EMPTY, verify_torch, verify_triton
-from dflash2.fast.kernels.sampler import HostSummary, SamplingTensors
+from dflash2.fast.kernels.sampling import rejection
+from dflash2.fast.kernels.sampling.rejection import EMPTY, verify_torch, verify_triton
+from dflash2.fast.kernels.sampling.sampler import HostSummary, SamplingTensors
 from dflash2.reference.request.rng import Purpose, uniform
 from dflash2.reference.speculative.sampling import target_probs
 from dflash2.reference.request.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""fast/kernels/ring_attention.py vs reference/draft.window_attention: B blocks over their ring windows
+"""fast/kernels/draft/ring_attention.py vs reference/draft.window_attention: B blocks over their ring windows
 (NUMERIC), at small windows (W = 13 and 37, capacity W + 4), odd shapes, GQA, with every ring slot
 outside the window poisoned with NaN.
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
-import dflash2.fast.kernels.paged_attention as paged_attention
-from dflash2.fast.kernels.ring_attention import launch_plan, ring_attention_torch, ring_attention_triton
+import dflash2.fast.kernels.attention.paged_attention as paged_attention
+from dflash2.fast.kernels.draft.ring_attention import launch_plan, ring_attention_torch, ring_attention_triton
 from dflash2.reference.model.draft import window_attention
 
 MARGIN = 4

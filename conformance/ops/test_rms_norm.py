@@ -1,4 +1,4 @@
-"""fast/kernels/rms_norm.py (and the model's torch forms ``add_rms_norm_torch``, ``gated_rms_norm_torch``)
+"""fast/kernels/dense/rms_norm.py (and the model's torch forms ``add_rms_norm_torch``, ``gated_rms_norm_torch``)
 vs reference/model/norm.rms_norm and gated_rms_norm.
 
 Residual add + norm: N in {1, 3, 7} rows of C in {40, 37, 200} channels (C = 37 and 200 also walked
@@ -23,8 +23,8 @@ import pytest
 import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.rms_norm import add_rms_norm_triton, gated_rms_norm_triton
-from dflash2.fast.model.norm import add_rms_norm_torch, gated_rms_norm_torch
+from dflash2.fast.kernels.dense.rms_norm import add_rms_norm_triton, gated_rms_norm_triton
+from dflash2.fast.kernels.dense.rms_norm import add_rms_norm_torch, gated_rms_norm_torch
 from dflash2.reference.model.norm import gated_rms_norm, rms_norm
 
 EPS = 1e-6

@@ -1,4 +1,4 @@
-"""fast/kernels/sampler.py and row_filter.py vs reference/speculative/sampling.py: filtered target probabilities
+"""fast/kernels/sampling/sampler.py and row_filter.py vs reference/speculative/sampling.py: filtered target probabilities
 (NUMERIC, support EXACT), keyed inverse-CDF draws (EXACT), and the sort-free cut finder against its torch twin
 (kept set EXACT, kept mass within 1e-12).
 
@@ -16,10 +16,10 @@ import pytest
 import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels import row_filter
-from dflash2.fast.kernels.row_filter import (FilterConfig, filter_torch, filter_triton, kept_by_cut,
+from dflash2.fast.kernels.sampling import row_filter
+from dflash2.fast.kernels.sampling.row_filter import (FilterConfig, filter_torch, filter_triton, kept_by_cut,
                                              kept_weights_torch, scaled_logits)
-from dflash2.fast.kernels.sampler import (HostSummary, SamplingTensors, sample_torch, sample_triton,
+from dflash2.fast.kernels.sampling.sampler import (HostSummary, SamplingTensors, sample_torch, sample_triton,
                                           target_probs_torch, target_probs_triton)
 from dflash2.reference.request.rng import Purpose, uniform
 from dflash2.reference.request.sampling_params import TOP_K_OFF, SamplingParams
@@ -269,7 +269,7 @@ def test_greedy_batch_is_one_argmax(impl_device, monkeypatch):
     params = [SamplingParams(temperature=0.0, seed=s) if s % 2 else SamplingParams(top_k=1, seed=s) for s in range(10)]
     st = SamplingTensors.from_params(params, device)
     assert st.all_greedy and st.host == HostSummary(False, False, False, TOP_K_OFF)
-    from dflash2.fast.kernels import sampler
+    from dflash2.fast.kernels.sampling import sampler
 
     def no_filter(*args, **kwargs):
         raise AssertionError("the greedy path ran the filter")

@@ -1,4 +1,4 @@
-"""fast/kernels/selector.py vs reference/selector.select: candidates and walked tokens EXACT (away from
+"""fast/kernels/draft/selector.py vs reference/selector.select: candidates and walked tokens EXACT (away from
 near-ties on the reference's path), q and the edge scores NUMERIC, greedy and sampled requests in
 one batch, k = 1..S-1, ties among the logits, odd V, K_sel, r and C. The candidates alone (C_i, U_i)
 bit for bit against the reference's stable sort: ties across vocabulary blocks and merge groups, NaN,
@@ -13,9 +13,9 @@ import pytest
 import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.philox import seeds_tensor
-from dflash2.fast.kernels import selector as selector_module
-from dflash2.fast.kernels.selector import select_torch, select_triton, top_candidates_torch, top_candidates_triton
+from dflash2.fast.kernels.sampling.philox import seeds_tensor
+from dflash2.fast.kernels.draft import selector as selector_module
+from dflash2.fast.kernels.draft.selector import select_torch, select_triton, top_candidates_torch, top_candidates_triton
 from dflash2.reference.model.draft import DraftBlockOutput
 from dflash2.reference.speculative.selector import CandidateSelector, select, selector_uniforms, top_candidates
 

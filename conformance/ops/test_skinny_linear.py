@@ -1,4 +1,4 @@
-"""fast/kernels/skinny_linear.py (the Triton launcher and its torch form) vs the exact product
+"""fast/kernels/dense/skinny_linear.py (the Triton launcher and its torch form) vs the exact product
 ``x @ W.T`` in float64 (every linear of reference/model is that line) and, with the SwiGLU epilogue,
 vs reference/model/mlp.swiglu's activation: NUMERIC (fp32 1e-5, bf16 2e-2, fp16 5e-3; bf16 Triton on
 CUDA only, as Triton 3.6's interpreter gets a bf16 tl.dot wrong).
@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels import skinny_linear as sl
-from dflash2.fast.kernels import tickets
-from dflash2.fast.kernels.skinny_linear import (SkinnyConfig, skinny_linear, skinny_linear_torch,
+from dflash2.fast.kernels.dense import skinny_linear as sl
+from dflash2.fast.kernels.common import tickets
+from dflash2.fast.kernels.dense.skinny_linear import (SkinnyConfig, skinny_linear, skinny_linear_torch,
                                                 skinny_linear_triton)
 from dflash2.reference.model.mlp import swiglu
 

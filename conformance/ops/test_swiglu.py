@@ -1,4 +1,4 @@
-"""fast/kernels/swiglu.py (and the model's torch twin ``mlp.swiglu_act_torch``) vs the activation of
+"""fast/kernels/dense/swiglu.py (and the model's torch twin ``mlp.swiglu_act_torch``) vs the activation of
 reference/model/mlp.swiglu, ``silu(gate) * up``: NUMERIC (fp32 1e-5, bf16 2e-2, fp16 5e-3).
 
 The input ``[N, 2I]`` (gate columns first) is a column slice of a wider NaN-poisoned buffer, so a read
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from ops_helpers import NUMERIC_BOUND, pick
 
-from dflash2.fast.kernels.swiglu import swiglu_act_triton
-from dflash2.fast.model.mlp import swiglu_act, swiglu_act_torch
+from dflash2.fast.kernels.dense.swiglu import swiglu_act_triton
+from dflash2.fast.kernels.dense.swiglu import swiglu_act, swiglu_act_torch
 from dflash2.reference.model.mlp import swiglu
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -36,7 +36,7 @@ from dflash2.reference.request.stopping import Stopper
 from dflash2.reference.request.trace import StepRecord
 
 from .config import EngineConfig
-from .graphs import TargetGraphs, capturable
+from .graphs import TargetGraphs
 from .logprobs import TokenLogprob
 from .runner import ModelRunner
 from .scheduler import PrefillPlan, Req, ReqStatus, Scheduler, pages_for
@@ -114,7 +114,7 @@ class Engine:
         self.config = cfg
         self.tokenizer = self.model.tokenizer
         graphs = None
-        if not cfg.enforce_eager and capturable(self.model.target):
+        if not cfg.enforce_eager and self.model.target.capturable():
             graphs = TargetGraphs(self.model.target, self.model.pools, max_seqs=cfg.max_running_req,
                                   max_pages=pages_for(self.model.max_model_len, cfg.page_size))
         self.runner = ModelRunner(self.model.target, self.model.pools, self.model.proposer, page_size=cfg.page_size,

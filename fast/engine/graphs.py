@@ -54,20 +54,13 @@ from torch import Tensor
 
 from dflash2.reference.request.sampling_params import SamplingParams
 
-from ..kernels.philox import seed_bits
-from ..kernels.sampler import HostSummary, SamplingTensors
+from ..kernels.sampling.philox import seed_bits
+from ..kernels.sampling.sampler import HostSummary, SamplingTensors
 from ..model.batch import PAD_SLOT, ForwardBatch
 from ..model.capture import cutting
-from ..model.moe import moe_experts_torch
 from ..model.target import FastOutput, FastTarget
 
 MIN_PAGES = 16
-
-
-def capturable(target: FastTarget) -> bool:
-    """Whether the target's forward can be captured: on CUDA, and no op that reads device values on the host
-    (the torch MoE reads its per-expert counts; the fused MoE kernel does not)."""
-    return target.device.type == "cuda" and not (target.cfg.is_moe and target.ops.moe_experts is moe_experts_torch)
 
 
 def buckets(max_seqs: int) -> list[int]:

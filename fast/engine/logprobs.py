@@ -26,7 +26,7 @@ from torch import Tensor
 
 from dflash2.reference.request.sampling_params import TOP_K_OFF
 
-from ..kernels.sampler import SamplingTensors, target_probs
+from ..kernels.sampling.sampler import SamplingTensors, target_probs
 
 
 @dataclass(frozen=True)

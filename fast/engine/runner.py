@@ -38,10 +38,10 @@ from torch import Tensor
 from dflash2.reference.request.sampling_params import SamplingParams
 from dflash2.reference.request.trace import StepRecord
 
-from ..kernels.sampler import HostSummary, SamplingTensors
+from ..kernels.sampling.sampler import HostSummary, SamplingTensors
 from ..model.batch import ForwardBatch
 from ..model.capture import graph_cut
-from ..model.pools import commit_verify
+from ..speculative.commit import commit_verify
 from ..speculative.proposal import DraftProposal
 from .logprobs import TokenLogprob, select_rows, token_logprobs
 from .graphs import PROPOSED, GraphKey, StepGraphs, TargetGraphs, batch_view, kv_slot_mapping

@@ -25,8 +25,8 @@ from torch import Tensor
 from dflash2.reference.request.rng import Purpose
 from dflash2.reference.request.sampling_params import SamplingParams
 
-from ..kernels.rejection import verify
-from ..kernels.sampler import SamplingTensors, sample
+from ..kernels.sampling.rejection import verify
+from ..kernels.sampling.sampler import SamplingTensors, sample
 
 
 def sampling_tensors(params: Sequence[SamplingParams], device: torch.device) -> SamplingTensors:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..kernels import tickets
+from ..kernels.common import tickets
 from ..model.capture import join_before_cut
 
 SIDE_LANE = 1  # the tickets lane of the side stream's kernels

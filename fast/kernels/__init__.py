@@ -1,1 +1,1 @@
-"""Triton kernels, each beside its reference twin (see conformance/ops/ and fast/kernels/registry.py)."""
+"""Triton kernels, each beside its reference twin (see conformance/ops/ and fast/kernels/common/registry.py)."""

@@ -64,14 +64,15 @@ from torch import Tensor
 
 from dflash2.reference.formats.draft_config import DraftConfig
 
-from ..kernels.context_kv import context_k_norm_rope
-from ..kernels.conv_finish_norm import conv_finish_norm
-from ..kernels.dynamic_conv import grouped_dynamic_conv
-from ..kernels.ring_attention import ring_attention
-from ..kernels.skinny_linear import skinny_linear
+from ..kernels.attention.attention_prologue import draft_qk_norm_rope
+from ..kernels.attention.rope import inv_freq, rope_cos_sin
+from ..kernels.dense.rms_norm import add_rms_norm
+from ..kernels.draft.context_kv import context_k_norm_rope
+from ..kernels.draft.conv_finish_norm import conv_finish_norm
+from ..kernels.draft.dynamic_conv import grouped_dynamic_conv
+from ..kernels.draft.ring_attention import ring_attention
+from ..kernels.dense.skinny_linear import skinny_linear
 from .capture import graph_cut, layer_cuts
-from .norm import add_rms_norm
-from .rope import draft_qk_norm_rope, inv_freq, rope_cos_sin
 
 if TYPE_CHECKING:
     from dflash2.fast.speculative.ring_pool import RingPool

@@ -19,26 +19,25 @@ from .attention import FastAttention
 from .gdn import FastGDN
 from .mlp import FastMLP
 from .moe import FastMoE
-from .norm import add_rms_norm, zero_centred_scale
-from .ops import ModelOps
-from .params import Params
+from ..kernels.dense.rms_norm import add_rms_norm
+from .params import Params, zero_centred_scale
 from .pools import GDNSlots, PagedKV
 from .step import StepMeta
 
 
 class FastDecoderLayer:
-    def __init__(self, cfg: TargetConfig, params: Params, prefix: str, layer_type: str, ops: ModelOps):
+    def __init__(self, cfg: TargetConfig, params: Params, prefix: str, layer_type: str):
         self.cfg = cfg
         self.dtype = params.dtype
         self.layer_type = layer_type
         self.input_scale = zero_centred_scale(params.get(f"{prefix}input_layernorm.weight", torch.float32))
         self.post_scale = zero_centred_scale(params.get(f"{prefix}post_attention_layernorm.weight", torch.float32))
         if layer_type == "full_attention":
-            self.mixer: FastAttention | FastGDN = FastAttention(cfg, params, prefix, ops.paged_attention)
+            self.mixer: FastAttention | FastGDN = FastAttention(cfg, params, prefix)
         else:
-            self.mixer = FastGDN(cfg, params, prefix, ops.causal_conv1d, ops.gated_delta_rule)
-        self.mlp: FastMoE | FastMLP = FastMoE(cfg, params, prefix, ops.moe_experts) if cfg.is_moe else FastMLP(
-            params, prefix)
+            self.mixer = FastGDN(cfg, params, prefix)
+        self.mlp: FastMoE | FastMLP = FastMoE(cfg, params, prefix) if cfg.is_moe else FastMLP(params, prefix)
+        self.ops = (add_rms_norm, *self.mixer.ops, *self.mlp.ops)  # the kernel ops it runs
 
     def forward(self, x: Tensor, meta: StepMeta, state: PagedKV | GDNSlots) -> Tensor:
         """x: ``[N, C]`` residual rows. Returns the new residual ``[N, C]``."""

@@ -3,17 +3,10 @@
     probs = softmax(W_router x) in fp32;  top-k experts, weights renormalised over the k
     y     = sum_{e in top} w_e W_down[e](silu(W_gate[e] x) * W_up[e] x) + sigmoid(w_sg . x) swiglu_shared(x)
 
-The routed experts are an op (:attr:`ModelOps.moe_experts`). Its torch form groups the (row,
-choice) pairs by expert and runs one matmul pair per expert that has rows (a loop over experts,
-never over requests); it reads the per-expert counts on the host, one device sync per layer.
-:func:`moe_experts`, the op's default, sends CUDA tensors of up to ``MAX_TRITON_PAIRS`` (row,
-choice) pairs (decode and verify steps) to the sync-free, graph-capturable Triton kernels
-(fast/kernels/moe.py), as it does any size inside a CUDA-graph capture; everything else (CPU, long
-prefills) goes to the torch form. The router (softmax, top-k, renormalise) is :func:`route`: CUDA
-tensors of up to ``MAX_TRITON_ROUTE_ROWS`` rows (and any size inside a capture) to the two Triton
-kernels of fast/kernels/moe_router.py, everything else to their torch twin. Where the shared expert
-has the routed experts' width, a decode or verify step on CUDA runs the whole sublayer as those four
-kernels, the shared expert as one more pair (:class:`FastMoE`).
+The router and the routed experts are ops of ``fast/kernels/moe/`` (``route``, ``moe_experts``: the torch
+twin of the experts groups the (row, choice) pairs by expert and reads the per-expert counts on the host,
+the kernels are sync-free and capturable). Where the shared expert has the routed experts' width, a decode
+or verify step on CUDA runs the whole sublayer as four kernels (:data:`moe_sublayer`, :class:`FastMoE`).
 """
 
 from __future__ import annotations
@@ -23,56 +16,11 @@ from torch import Tensor
 
 from dflash2.reference.formats.config import TargetConfig
 
-from ..kernels.moe import MAX_TRITON_PAIRS, moe_experts_triton
-from ..kernels.moe_router import route_torch, route_triton
-from ..kernels.triton_compat import use_triton
-from .mlp import swiglu
+from ..kernels.common.dispatch import GpuForm, KernelOp
+from ..kernels.dense.swiglu import swiglu, swiglu_act
+from ..kernels.moe.moe import moe_experts, moe_experts_triton
+from ..kernels.moe.moe_router import route, route_triton
 from .params import Params
-
-
-def moe_experts_torch(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
-    """Weighted sum of each row's chosen experts.
-
-    x: ``[N, C]``; expert_ids: ``[N, k]`` long; weights: fp32 ``[N, k]``; gate_up: ``[E, 2I, C]``
-    (gate rows first); down: ``[E, C, I]``. Returns fp32 ``[N, C]``, the experts added in
-    ascending expert order per row.
-    """
-    num_experts, top_k = gate_up.shape[0], expert_ids.shape[1]
-    flat = expert_ids.reshape(-1)  # [N k]
-    order = torch.argsort(flat, stable=True)  # (row, choice) pairs grouped by expert
-    rows = order // top_k
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # host sync: the group sizes
-    xs = x[rows]  # [N k, C]
-    outs = torch.empty(xs.shape, dtype=torch.float32, device=x.device)
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            outs[start:start + count] = swiglu(xs[start:start + count], gate_up[e], down[e]).float()
-            start += count
-    weighted = outs * weights.reshape(-1)[order, None]  # [N k, C]
-    return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, rows, weighted)
-
-
-def moe_experts(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
-    """``moe_experts_torch``'s contract; by the Triton kernels (no host sync) for CUDA tensors of at
-    most ``MAX_TRITON_PAIRS`` (row, choice) pairs, and of any size inside a CUDA-graph capture."""
-    if use_triton(x, expert_ids, weights, gate_up, down) and (
-            expert_ids.numel() <= MAX_TRITON_PAIRS or torch.cuda.is_current_stream_capturing()):
-        return moe_experts_triton(x, expert_ids, weights, gate_up, down)
-    return moe_experts_torch(x, expert_ids, weights, gate_up, down)
-
-
-MAX_TRITON_ROUTE_ROWS = 512  # above (long prefills) cuBLAS's GEMM, not the kernel's CUDA-core products (unmeasured)
-
-
-def route(x: Tensor, w_router: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
-    """``route_torch``'s contract, ``(expert_ids [N, k] int64, weights [N, k] fp32)``; by the Triton
-    kernels (no host sync) for CUDA tensors of at most ``MAX_TRITON_ROUTE_ROWS`` rows, and of any
-    size inside a CUDA-graph capture."""
-    if use_triton(x, w_router) and (
-            x.shape[0] <= MAX_TRITON_ROUTE_ROWS or torch.cuda.is_current_stream_capturing()):
-        return route_triton(x, w_router, top_k)
-    return route_torch(x, w_router, top_k)
 
 
 # Rows up to which the shared expert runs as the (k+1)-th pair: one chunk of the MoE kernel's 16 rows. Past it,
@@ -103,14 +51,15 @@ class FastMoE:
     shared expert to each row's choices with weight sigmoid(w_sg . x), and the routed-expert kernels
     run it as a (k+1)-th pair, summing in fp32 and rounding once to the model dtype. That is for
     at most ``SHARED_PAIR_ROWS`` rows (decode and verify steps of a few requests); everything else
-    (more rows, the CPU, a replaced ``moe_experts`` op, prefills) runs the module docstring's form
+    (more rows, the CPU, prefills) runs the module docstring's form
     on views of the first E experts, bit for bit as before.
     """
 
-    def __init__(self, cfg: TargetConfig, params: Params, prefix: str, moe_experts):
+    ops = (route, moe_experts, swiglu_act)  # the kernel ops it runs (FastTarget.capturable)
+
+    def __init__(self, cfg: TargetConfig, params: Params, prefix: str):
         p = f"{prefix}mlp."
         self.top_k = cfg.num_experts_per_tok
-        self.moe_experts = moe_experts
         device = params.device
         num_experts = cfg.num_experts
         w_router = params.raw(f"{p}gate.weight")  # [E, C]
@@ -130,7 +79,7 @@ class FastMoE:
             self.shared_gate_up = self.gate_up_with_shared[num_experts]  # [2Is, C]
             self.shared_down = self.down_with_shared[num_experts]  # [C, Is]
             self.shared_expert_gate = self.router_with_shared[num_experts:].to(params.dtype)  # [1, C]
-            # the overlapped split form's per-expert counters (fast/kernels/moe.py): zero, and left zero by every call
+            # the overlapped split form's per-expert counters (fast/kernels/moe/moe.py): zero, and left zero by every call
             self.ready = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
         else:
             self.w_router = params.get(f"{p}gate.weight", torch.float32)  # [E, C], routing in fp32
@@ -139,17 +88,14 @@ class FastMoE:
             self.shared_down = params.get(f"{p}shared_expert.down_proj.weight")  # [C, Is]
             self.shared_expert_gate = params.get(f"{p}shared_expert_gate.weight")  # [1, C]
 
-    def _fused(self, x: Tensor) -> bool:
-        """Whether this call runs the four-kernel form (class docstring): at most ``SHARED_PAIR_ROWS`` rows."""
-        return (self.shared_as_expert and self.moe_experts is moe_experts and use_triton(x)
-                and x.shape[0] <= SHARED_PAIR_ROWS)
-
     def forward(self, x: Tensor) -> Tensor:
         """x: ``[N, C]`` after post_attention_layernorm. Returns ``[N, C]`` in x's dtype."""
-        if self._fused(x):
-            return self.forward_four_kernels(x)
+        return moe_sublayer(self, x)
+
+    def forward_unfused(self, x: Tensor) -> Tensor:
+        """The module docstring's form: route, the routed experts, the shared expert beside them."""
         expert_ids, weights = route(x, self.w_router, self.top_k)  # [N, k] int64, [N, k] fp32
-        routed = self.moe_experts(x, expert_ids, weights, self.gate_up, self.down)  # [N, C] fp32
+        routed = moe_experts(x, expert_ids, weights, self.gate_up, self.down)  # [N, C] fp32
         shared = torch.sigmoid(x @ self.shared_expert_gate.T) * swiglu(x, self.shared_gate_up, self.shared_down)
         return (routed + shared.float()).to(x.dtype)
 
@@ -159,3 +105,9 @@ class FastMoE:
         expert_ids, weights = route_triton(x, self.router_with_shared, self.top_k, shared_gate=True)  # [N, k+1]
         return moe_experts_triton(x, expert_ids, weights, self.gate_up_with_shared, self.down_with_shared,
                                   ready=self.ready, out_dtype=x.dtype)
+
+
+# the whole sublayer: the four-kernel form (class docstring) for up to SHARED_PAIR_ROWS rows where the shared
+# expert is stored as expert E; its twin is the unfused composition, whose ops dispatch on their own
+moe_sublayer = KernelOp("moe_sublayer", FastMoE.forward_unfused, GpuForm(
+    FastMoE.forward_four_kernels, fits=lambda layer, x: layer.shared_as_expert and x.shape[0] <= SHARED_PAIR_ROWS))

@@ -26,9 +26,8 @@ from dflash2.reference.formats.errors import ConfigError, expect
 
 from .batch import ForwardBatch
 from .layer import FastDecoderLayer
-from .norm import rms_norm, zero_centred_scale
-from .ops import DEFAULT_OPS, ModelOps
-from .params import Params
+from ..kernels.dense.rms_norm import rms_norm
+from .params import Params, zero_centred_scale
 from .pools import CachePools
 from .step import StepMeta
 from .target import FastTarget
@@ -43,8 +42,7 @@ class FastMTP:
     """The fast MTP head. With ``target``, it shares that model's embedding and LM head tensors."""
 
     def __init__(self, cfg: TargetConfig, weights: Mapping[str, Tensor], dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", *, target: FastTarget | None = None,
-                 ops: ModelOps = DEFAULT_OPS):
+                 device: torch.device | str = "cpu", *, target: FastTarget | None = None):
         expect(cfg.mtp_num_hidden_layers == 1, ConfigError, "mtp_num_hidden_layers", cfg.mtp_num_hidden_layers,
                "1 (this target has no MTP head)")
         params = Params(cfg, weights, dtype, device)
@@ -58,7 +56,7 @@ class FastMTP:
         self.embedding_scale = zero_centred_scale(params.get("mtp.pre_fc_norm_embedding.weight", torch.float32))
         self.hidden_scale = zero_centred_scale(params.get("mtp.pre_fc_norm_hidden.weight", torch.float32))
         self.final_scale = zero_centred_scale(params.get("mtp.norm.weight", torch.float32))
-        self.layer = FastDecoderLayer(cfg, params, "mtp.layers.0.", "full_attention", ops)
+        self.layer = FastDecoderLayer(cfg, params, "mtp.layers.0.", "full_attention")
 
     def forward(self, hidden: Tensor, batch: ForwardBatch, pools: CachePools) -> MTPOutput:
         """hidden: ``[N, C]``, the pairs' hidden rows; ``batch.token_ids [N]`` the next tokens."""

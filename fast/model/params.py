@@ -55,3 +55,8 @@ class Params:
     def fused(self, *names: str) -> Tensor:
         """Row-wise concatenation of projections that read the same input, in the model dtype."""
         return torch.cat([self.raw(n).detach().to(device=self.device, dtype=self.dtype) for n in names]).contiguous()
+
+
+def zero_centred_scale(weight: Tensor) -> Tensor:
+    """The fp32 multiplier ``1 + w`` of a zero-centred norm weight (every target norm but the GDN output's)."""
+    return 1.0 + weight.float()

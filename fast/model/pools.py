@@ -24,9 +24,9 @@ Verify scratch (GDN rollback by replay). A verify step runs ``[anchor, drafts]``
 state; for the sequence at batch index b and its row r it stores the row's recurrence inputs in
 ``verify_rows`` (a ``VerifyRowInputs``: k fp32 ``[b, r, Hk, Dk]``, v ``[b, r, Hv, Dv]`` in the pool
 dtype, g and beta fp32 ``[b, r, Hv]``) and the row's conv input in ``verify_conv_inputs[b, r]``.
-:func:`commit_verify` then installs the state after row ``num_rows_kept - 1``: the recurrent state
+The speculative commit (``fast/speculative/commit.py``) then installs the state after row ``num_rows_kept - 1``: the recurrent state
 by replaying rows 0 .. kept-1 on the slot's state (``S'_r = exp(g_r) S``, ``u_r = beta_r (v_r -
-S'_r^T k_r)``, ``S = S'_r + k_r u_r^T``: fast/kernels/gdn_commit.py), the conv state as the last K-1
+S'_r^T k_r)``, ``S = S'_r + k_r u_r^T``: fast/kernels/gdn/gdn_commit.py), the conv state as the last K-1
 entries of [pre-step conv state ; inputs of rows 0..kept-1]. Inputs instead of per-row states keep
 the scratch small: per row and layer ``Hk Dk + 2 Hv`` fp32 and ``Hv Dv`` pool-dtype recurrence
 inputs plus ``Cd`` conv inputs, 32.25 KiB at the MoE shape (Hv = 32, Hk = 16, Dk = Dv = 128, bf16;
@@ -40,20 +40,15 @@ the output into NaN).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from dflash2.reference.formats.config import TargetConfig
 
-from ..kernels.gdn_commit import commit_verify_torch, commit_verify_triton
-from ..kernels.gdn_recurrent import VerifyRowInputs
-from ..kernels.triton_compat import use_triton
+from ..kernels.gdn.gdn_recurrent import VerifyRowInputs
 from .batch import ForwardBatch
 
-if TYPE_CHECKING:
-    from .step import StepMeta
 
 
 def kv_bytes_per_token(cfg: TargetConfig, dtype: torch.dtype, mtp: bool) -> int:
@@ -117,7 +112,7 @@ class PagedKV:
 class GDNStack:
     """Every linear-attention layer's state slots and verify scratch, stacked on a leading layer axis L
     (``[L, ...]``, L = number of GDN layers in ``cfg.linear_attention_layers`` order) so that
-    :func:`commit_verify` is one launch for all layers; :class:`GDNSlots` are views of one layer."""
+    the verify commit is one launch for all layers; :class:`GDNSlots` are views of one layer."""
 
     def __init__(self, cfg: TargetConfig, num_slots: int, max_verify_seqs: int, max_verify_rows: int,
                  dtype: torch.dtype, device: torch.device, poison: bool):
@@ -220,26 +215,3 @@ def zero_state_mask(batch: ForwardBatch) -> Tensor:
     first_rows = batch.cu_seqlens[:-1].long().clamp(max=batch.positions.shape[0] - 1)
     starts_at_zero = (batch.positions[first_rows] == 0) & (batch.seq_lens > 0)
     return starts_at_zero | (batch.state_slots < 0)
-
-
-def commit_verify(pools: CachePools, batch: ForwardBatch, num_rows_kept: Tensor,
-                  meta: StepMeta | None = None) -> None:
-    """Install, per sequence, the GDN state after its row ``num_rows_kept[b] - 1`` of the verify ``batch``.
-
-    ``batch`` is the verify batch the forward ran (same sequence order); ``num_rows_kept [B]`` is
-    ``num_accepted + 1`` (the anchor and the accepted drafts), each in 1 .. rows of its sequence.
-    The recurrent state is replayed from the slot over the kept rows' stored inputs, the conv state
-    shifted in from the stored conv inputs. K/V needs no rollback: rows past ``context_lens`` are
-    never read and get overwritten. Every GDN layer at once (fast/kernels/gdn_commit.py): one kernel
-    on CUDA, the torch form elsewhere. ``meta``, the forward's ``StepMeta`` of ``batch`` (its output's
-    ``meta``), saves recomputing the slots and the zero-state mask (a captured step's small kernels).
-    """
-    kept = num_rows_kept.to(pools.device)  # [B] integer (the kernel reads any; the torch form makes it long)
-    stack = pools.gdn_stack
-    tensors = (stack.conv_storage, stack.recurrent_storage, stack.verify_conv_inputs)
-    commit = commit_verify_triton if use_triton(*tensors, *stack.verify_rows) else commit_verify_torch
-    if meta is None:
-        state_index, zero_state = pools.state_index(batch.state_slots), zero_state_mask(batch)
-    else:
-        state_index, zero_state = meta.state_index, meta.zero_state
-    commit(*tensors, stack.verify_rows, state_index, zero_state, kept)

@@ -23,9 +23,9 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from ..kernels.attention.rope import rope_cos_sin
 from .batch import ForwardBatch
 from .pools import CachePools, zero_state_mask
-from .rope import rope_cos_sin
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,10 @@ from dflash2.reference.formats.config import TargetConfig
 from .batch import ForwardBatch
 from .capture import graph_cut, layer_cuts
 from .layer import FastDecoderLayer
-from .norm import add_rms_norm, zero_centred_scale
-from .ops import DEFAULT_OPS, ModelOps
-from .params import Params
+from ..kernels.attention.rope import inv_freq
+from ..kernels.dense.rms_norm import add_rms_norm
+from .params import Params, zero_centred_scale
 from .pools import CachePools
-from .rope import inv_freq
 from .step import StepMeta
 
 
@@ -51,21 +50,25 @@ class FastTarget:
     """The fast target, built from canonical tensors (``dflash2.reference.formats.checkpoint.load_target``)."""
 
     def __init__(self, cfg: TargetConfig, weights: Mapping[str, Tensor], dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", tap_layers: tuple[int, ...] = (), ops: ModelOps = DEFAULT_OPS):
+                 device: torch.device | str = "cpu", tap_layers: tuple[int, ...] = ()):
         for layer in tap_layers:
             if not 0 <= layer < cfg.num_hidden_layers:
                 raise ValueError(f"tap layer {layer}: expected a layer index in [0, {cfg.num_hidden_layers})")
         params = Params(cfg, weights, dtype, device)
         self.cfg, self.dtype, self.device = cfg, dtype, params.device
-        self.ops = ops
         self.tap_layers = tuple(tap_layers)
         self.last_tap = max(self.tap_layers, default=-1)  # where forward's on_taps fires
         self.embed = params.get("embed_tokens.weight")  # [V, C]
         self.lm_head = params.get("lm_head.weight")  # [V, C] (the embedding itself when tied)
         self.final_scale = zero_centred_scale(params.get("norm.weight", torch.float32))  # [C]
         inv_freq(cfg.rotary_dim, cfg.rope_theta, self.device)  # every step's RoPE reads it: made here, not in a capture
-        self.layers = [FastDecoderLayer(cfg, params, f"layers.{i}.", kind, ops)
-                       for i, kind in enumerate(cfg.layer_types)]
+        self.layers = [FastDecoderLayer(cfg, params, f"layers.{i}.", kind) for i, kind in enumerate(cfg.layer_types)]
+
+    def capturable(self) -> bool:
+        """Whether a step of this target can be captured in a CUDA graph: on CUDA, and every kernel op its layers
+        run says so (``KernelOp.capturable``: e.g. the MoE experts' torch twin reads counts on the host)."""
+        return self.device.type == "cuda" and all(op.capturable(self.device) for layer in self.layers
+                                                  for op in layer.ops)
 
     def forward(self, batch: ForwardBatch, pools: CachePools,
                 on_taps: Callable[[Tensor], None] | None = None) -> FastOutput:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels.selector import select
+from ..kernels.draft.selector import select
 from ..model.batch import PAD_SLOT, ForwardBatch
 from ..model.draft import FastDraft
 from .proposal import DraftProposal

@@ -3,7 +3,7 @@ import sys, os
 import torch
 sys.path.insert(0, os.path.join(os.getcwd(), "conformance/gpu"))
 from dflash2.fast.engine.sampler import verify_ragged
-from dflash2.fast.kernels.sampler import SamplingTensors
+from dflash2.fast.kernels.sampling.sampler import SamplingTensors
 from dflash2.fast.engine.runner import graph_summary
 from dflash2.reference.request.sampling_params import SamplingParams
 import test_verifier_law_at_scale as law

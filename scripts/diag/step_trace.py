@@ -30,7 +30,7 @@ import torch
 
 from dflash2.bench.measure import capture_graph, cuda_time
 from dflash2.bench.run import SETTINGS, SimulatedAcceptance
-from dflash2.fast.kernels.sampler import SamplingTensors
+from dflash2.fast.kernels.sampling.sampler import SamplingTensors
 from dflash2.fast.llm import LLM
 from dflash2.reference.request.sampling_params import SamplingParams
 

@@ -9,7 +9,7 @@ import torch
 
 from dflash2.fast.engine import runner as runner_module
 from dflash2.fast.engine.side_stream import SIDE_LANE, SideStream
-from dflash2.fast.kernels import tickets
+from dflash2.fast.kernels.common import tickets
 from dflash2.fast.model import capture
 
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.fast.kernels.philox import seeds_tensor
-from dflash2.fast.kernels.rejection import verify_torch
-from dflash2.fast.kernels.ring_attention import ring_attention_torch
-from dflash2.fast.kernels.sampler import SamplingTensors, sample_torch
-from dflash2.fast.kernels.selector import select_torch, top_candidates_torch
+from dflash2.fast.kernels.sampling.philox import seeds_tensor
+from dflash2.fast.kernels.sampling.rejection import verify_torch
+from dflash2.fast.kernels.draft.ring_attention import ring_attention_torch
+from dflash2.fast.kernels.sampling.sampler import SamplingTensors, sample_torch
+from dflash2.fast.kernels.draft.selector import select_torch, top_candidates_torch
 from dflash2.reference.request.sampling_params import SamplingParams
 
 

@@ -26,7 +26,7 @@ zero_state ``[B]`` bool.
 
 Exactness. The conv part is a copy: the kernel equals the torch form bit for bit. The replay is
 bit for bit the state the verify kernel reached after row kept_b - 1 (and the state a decode-style
-run of the same rows gives): its state programs are the recurrence kernel's (fast/kernels/gdn_recurrent.py),
+run of the same rows gives): its state programs are the recurrence kernel's (fast/kernels/gdn/gdn_recurrent.py),
 one per (value head, Dv block of ``block_v``) on a ``[DK_PAD, block_v]`` tile with the same
 ``NUM_WARPS``, loading the state tile and the row inputs as it does and calling the same
 ``delta_rule_step``; rows r >= kept_b are dropped (the row loop is unrolled and branch-free, a select keeps
@@ -55,7 +55,8 @@ from torch import Tensor
 
 from .gdn_recurrent import (NUM_WARPS, VerifyRowInputs, check_verify_rows, default_block_v, delta_rule_step,
                             delta_rule_step_torch)
-from .triton_compat import tl, triton
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.triton_compat import tl, triton
 
 BLOCK_C = 256  # conv channels per conv tile
 
@@ -207,3 +208,6 @@ def commit_verify_triton(conv_storage: Tensor, recurrent_storage: Tensor, verify
         conv_dim, ROWS=rows, HK=key_heads, HV=value_heads, RATIO=value_heads // key_heads, DK=key_dim, DV=value_dim,
         DK_PAD=triton.next_power_of_2(key_dim), BLOCK_V=block_v, V_BLOCKS=v_blocks, TAPS=taps,
         TAPS_PAD=triton.next_power_of_2(max(taps, 1)), BLOCK_C=block_c, num_warps=NUM_WARPS)
+
+
+gdn_commit = KernelOp("gdn_commit", commit_verify_torch, GpuForm(commit_verify_triton))

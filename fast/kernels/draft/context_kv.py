@@ -15,13 +15,13 @@ both returned contiguous ``[L, N, Hkv, D]``, the layout ``RingPool.write`` takes
 
 ``inv_freq`` is computed once per (D, theta, device) on the host, as the reference and the CPU torch
 form compute it (``arange(0, D, 2) / D``, ``theta ** .``, ``1 / .`` in fp32), and kept on the device
-(``fast/model/rope.rope_inv_freq``, which ``FastDraft`` calls once at load and passes in): the angles
+(``fast/kernels/attention/rope.rope_inv_freq``, which ``FastDraft`` calls once at load and passes in): the angles
 are then the same fp32 products, bit for bit, on every device and in both forms. (A GPU's pow can round
 an inv_freq an ulp apart from the host's; at large p that turns the angle by more than the fp32
 tolerance allows, see conformance/ops/test_attention_prologue.py.)
 
 :func:`context_k_norm_rope_torch` is the composition ``FastDraft.context_kv`` ran before this kernel,
-op for op (``fast/model/norm.rms_norm`` in fp32, ``fast/model/rope.apply_rope``, one cast, two
+op for op (``fast/kernels/dense/rms_norm.rms_norm`` in fp32, ``fast/kernels/attention/rope.apply_rope``, one cast, two
 transposed copies), with the host's inv_freq; on the CPU its bits are exactly the old ones.
 
 :func:`context_k_norm_rope_triton`: one kernel for the 26 small launches of that composition in a
@@ -47,9 +47,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..model.norm import rms_norm
-from ..model.rope import apply_rope
-from .triton_compat import tl, triton, use_triton
+from ..common.dispatch import GpuForm, KernelOp
+from ..attention.rope import apply_rope
+from ..common.triton_compat import tl, triton
+from ..dense.rms_norm import rms_norm
 
 def _check(kv: Tensor, k_norms: Tensor, positions: Tensor, inv_freq: Tensor) -> None:
     """Refuse bad shapes: kv ``[N, L, 2, Hkv, D]`` (D even, unit last stride), k_norms fp32 ``[L, D]``,
@@ -77,7 +78,7 @@ def _check(kv: Tensor, k_norms: Tensor, positions: Tensor, inv_freq: Tensor) -> 
 def context_k_norm_rope_torch(kv: Tensor, k_norms: Tensor, positions: Tensor, eps: float,
                               inv_freq: Tensor) -> tuple[Tensor, Tensor]:
     """kv ``[N, L, 2, Hkv, D]`` (the context GEMM's output in the draft dtype), k_norms fp32 ``[L, D]``,
-    positions ``[N]``, inv_freq fp32 ``[D/2]`` (``fast/model/rope.rope_inv_freq``). Returns (k, v), each contiguous
+    positions ``[N]``, inv_freq fp32 ``[D/2]`` (``fast/kernels/attention/rope.rope_inv_freq``). Returns (k, v), each contiguous
     ``[L, N, Hkv, D]`` in kv's dtype."""
     _check(kv, k_norms, positions, inv_freq)
     rows, layers, _, kv_heads, dim = kv.shape
@@ -137,8 +138,4 @@ def context_k_norm_rope_triton(kv: Tensor, k_norms: Tensor, positions: Tensor, e
     return k, v
 
 
-def context_k_norm_rope(kv: Tensor, k_norms: Tensor, positions: Tensor, eps: float,
-                        inv_freq: Tensor) -> tuple[Tensor, Tensor]:
-    """``context_k_norm_rope_torch``'s contract; CUDA tensors go to the one kernel."""
-    fn = context_k_norm_rope_triton if use_triton(kv, k_norms, positions) else context_k_norm_rope_torch
-    return fn(kv, k_norms, positions, eps, inv_freq)
+context_k_norm_rope = KernelOp("context_k_norm_rope", context_k_norm_rope_torch, GpuForm(context_k_norm_rope_triton))

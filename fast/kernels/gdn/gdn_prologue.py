@@ -1,6 +1,5 @@
-"""The Gated DeltaNet prologue of decode and verify steps in one kernel, twin of
-``fast/model/gdn.gdn_prologue_torch`` (reference/model/gdn.py: the causal conv, silu, the L2 norms,
-the decay and the write strength).
+"""The Gated DeltaNet prologue: its torch form :func:`gdn_prologue_torch` and, for decode and verify steps,
+one kernel (reference/model/gdn.py: the causal conv, silu, the L2 norms, the decay and the write strength).
 
 From the fused input projection's rows (conv inputs ``x [N, Cd]``, ``b, a [N, Hv]``), with the conv
 continuing from each sequence's state (``conv_states[state_index[b]]``, the last K-1 inputs oldest
@@ -14,7 +13,7 @@ first; zeros where ``zero_state[b]``), row n = row r of sequence b::
 and, by step kind:
 
 - verify (``verify_inputs`` given): ``verify_inputs[b, r] = x_n`` (the conv input of every row, for
-  ``pools.commit_verify``); the states are left alone;
+  ``speculative.commit.commit_verify``); the states are left alone;
 - decode (one row per sequence): ``conv_states[state_index[b]] = window_n[1 .. K-1]``, the state
   after the row. A step of several rows per sequence that is no verify is refused: its rows would
   read the state that another program of the same sequence is rewriting (the torch form takes it).
@@ -33,9 +32,63 @@ KiB). Deterministic, no host sync, a grid fixed by N.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from .triton_compat import tl, triton
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.triton_compat import tl, triton
+
+L2NORM_EPS = 1e-6  # inside the sqrt, as the reference
+
+
+def l2norm(x: Tensor) -> Tensor:
+    """``x / sqrt(sum(x^2) + 1e-6)`` over the last axis, in fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+
+
+def causal_conv1d_torch(x: Tensor, conv_state: Tensor, weight: Tensor, meta) -> tuple[Tensor, Tensor]:
+    """``silu`` of the causal depthwise conv per sequence, continuing from ``conv_state``.
+
+    x: ``[N, Cd]`` conv inputs; conv_state: ``[B, Cd, K-1]`` each sequence's last K-1 inputs
+    (oldest first); weight: ``[Cd, K]``; ``meta`` the step's StepMeta. Returns ``(y [N, Cd] in x's dtype,
+    final state [B, Cd, K-1])``. Computed in fp32.
+    """
+    kernel, steps = weight.shape[1], meta.max_query_len
+    window = torch.cat([conv_state.transpose(1, 2).float(), meta.pad(x).float()], dim=1)  # [B, K-1+Tq, Cd]
+    w = weight.float()
+    y = sum(w[:, j] * window[:, j:j + steps] for j in range(kernel))  # [B, Tq, Cd]
+    last = (meta.seq_lens[:, None] + torch.arange(kernel - 1, device=x.device))[:, :, None]  # [B, K-1, 1]
+    final = window.gather(1, last.expand(-1, -1, window.shape[2])).transpose(1, 2)  # [B, Cd, K-1]
+    return meta.unpad(F.silu(y)).to(x.dtype), final.to(conv_state.dtype)
+
+
+def gdn_prologue_torch(conv_in: Tensor, b: Tensor, a: Tensor, conv_states: Tensor, conv_weight: Tensor,
+                       neg_decay: Tensor, dt_bias: Tensor, meta, key_heads: int, key_dim: int,
+                       verify_inputs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """From the projection's conv inputs ``conv_in [N, Cd]`` and ``b, a [N, Hv]``: the recurrence's inputs.
+
+    The conv continues from ``conv_states [S, Cd, K-1]`` at ``meta.state_index`` (zeros where
+    ``meta.zero_state``); ``neg_decay`` = -exp(A_log) and ``dt_bias`` are fp32 ``[Hv]``. A verify
+    step (``verify_inputs [>= B, >= Tq, Cd]`` given) stores every row's conv input at
+    ``[seq_index, row_in_seq]`` and leaves the states alone; any other step writes each sequence's
+    final conv state back to its slot. Returns ``(q, k [N, Hk, Dk] fp32 (q scaled by Dk^-1/2),
+    v [N, Hv, Dv] in conv_in's dtype, g, beta [N, Hv] fp32)``.
+    """
+    rows, value_heads = conv_in.shape[0], b.shape[-1]
+    value_dim = (conv_in.shape[1] - 2 * key_heads * key_dim) // value_heads
+    if verify_inputs is not None:
+        verify_inputs[meta.seq_index, meta.row_in_seq] = conv_in.to(verify_inputs.dtype)
+    start = torch.where(meta.zero_state[:, None, None], 0.0, conv_states[meta.state_index])  # [B, Cd, K-1]
+    conv_out, final = causal_conv1d_torch(conv_in, start, conv_weight, meta)  # [N, Cd]
+    if verify_inputs is None:
+        conv_states.index_copy_(0, meta.state_index, final.to(conv_states.dtype))
+    q, k, v = torch.split(conv_out, [key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], dim=-1)
+    q = l2norm(q.reshape(rows, key_heads, key_dim)) / key_dim ** 0.5  # [N, Hk, Dk] fp32
+    k = l2norm(k.reshape(rows, key_heads, key_dim))  # [N, Hk, Dk] fp32
+    g = neg_decay * F.softplus(a.float() + dt_bias)  # [N, Hv]
+    beta = torch.sigmoid(b.float())  # [N, Hv]
+    return q, k, v.reshape(rows, value_heads, value_dim), g, beta
 
 L2NORM_EPS = 1e-6  # inside the sqrt, as reference/model/gdn.l2norm
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default: x above it is returned as is
@@ -172,3 +225,12 @@ def gdn_prologue_triton(conv_in: Tensor, b: Tensor, a: Tensor, conv_states: Tens
         VERIFY=verify_inputs is not None,
         WRITE_STATE=verify_inputs is None, num_warps=num_warps or max(1, min(4, block_d // 128)))
     return q, k, v, g, beta
+
+
+def _fits(conv_in, b, a, conv_states, conv_weight, neg_decay, dt_bias, meta, key_heads, key_dim,
+          verify_inputs=None) -> bool:
+    """Verify steps and decode steps (one row per sequence); a prefill chunk's rows would race on the state."""
+    return verify_inputs is not None or meta.max_query_len == 1
+
+
+gdn_prologue = KernelOp("gdn_prologue", gdn_prologue_torch, GpuForm(gdn_prologue_triton, fits=_fits))

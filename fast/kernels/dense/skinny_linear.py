@@ -20,7 +20,7 @@ a workspace, then takes a ticket from its output tile's counter (``atomic_add``,
 GPU scope, after a CTA barrier so the whole partial is ordered before it). The program drawing the
 last ticket sums the SPLIT_K partials in split order (0, 1, ...), whichever programs ran first, so the
 bits are the same on every call and in a CUDA-graph replay; it then writes y and resets the counter
-to 0 for the next call (``fast/kernels/tickets.py``: one zeroed buffer per device). A different
+to 0 for the next call (``fast/kernels/common/tickets.py``: one zeroed buffer per device). A different
 SPLIT_K or BLOCK_K sums in a different order: rounding differences within NUMERIC of the reference,
 never between two calls with one config.
 
@@ -42,9 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .pdl import l2_prefetch_enabled, launch_options, pdl_enabled
-from .tickets import ticket_counters
-from .triton_compat import tl, triton, use_triton
+from ..common.pdl import l2_prefetch_enabled, launch_options, pdl_enabled
+from ..common.tickets import ticket_counters
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.triton_compat import tl, triton
 
 
 PREFETCH_ALL = 1 << 30  # SkinnyConfig.prefetch_k: a program's whole K range
@@ -153,7 +154,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, stride_
         if pid_m == 0:
             _prefetch_weight(w_ptr, pid_n, pid_k * K_PER_SPLIT, N, K, PREFETCH_SPAN, 2 if SWIGLU else 1, BLOCK_N,
                              PREFETCH_CHUNKS, ELEM_BYTES)
-    if PDL:  # before any other load, and any store: fast/kernels/pdl.py's rule
+    if PDL:  # before any other load, and any store: fast/kernels/common/pdl.py's rule
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -278,12 +279,20 @@ def skinny_linear_triton(x: Tensor, weight: Tensor, swiglu: bool = False, config
     return out
 
 
-def skinny_linear(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
-    """The engine's entry point: the kernel with its measured config where :data:`H200_TUNED` has the
-    shape (CUDA tensors, up to the rows measured), the torch form (cuBLAS on CUDA) otherwise."""
-    if use_triton(x, weight) and weight.is_contiguous() and x.stride(-1) == 1 and x.dim() == 2:
-        n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-        config = tuned_config(x.shape[0], n, x.shape[1], swiglu, x.device)
-        if config is not None:
-            return skinny_linear_triton(x, weight, swiglu, config=config)
-    return skinny_linear_torch(x, weight, swiglu)
+def _tuned(x: Tensor, weight: Tensor, swiglu: bool = False) -> SkinnyConfig | None:
+    """The measured config for this call (:data:`H200_TUNED`), or None: the layout the kernel takes and a shape
+    and row count measured faster than cuBLAS."""
+    if not (weight.is_contiguous() and x.stride(-1) == 1 and x.dim() == 2):
+        return None
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    return tuned_config(x.shape[0], n, x.shape[1], swiglu, x.device)
+
+
+def skinny_linear_tuned(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
+    """:func:`skinny_linear_triton` with the measured config of the call's shape (``_tuned`` must have one)."""
+    return skinny_linear_triton(x, weight, swiglu, config=_tuned(x, weight, swiglu))
+
+
+# the kernel with its measured config where H200_TUNED has the shape, the torch form (cuBLAS on CUDA) otherwise
+skinny_linear = KernelOp("skinny_linear", skinny_linear_torch,
+                         GpuForm(skinny_linear_tuned, fits=lambda *args, **kw: _tuned(*args, **kw) is not None))

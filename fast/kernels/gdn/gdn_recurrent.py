@@ -1,6 +1,6 @@
 """The gated delta rule row by row, for decode and verify steps, twin of
 ``reference/delta_rule.gated_delta_rule_recurrent``; and the one row update that the verify
-commit's replay (fast/kernels/gdn_commit.py) shares with it.
+commit's replay (fast/kernels/gdn/gdn_commit.py) shares with it.
 
 B sequences; sequence b owns rows ``cu_seqlens[b] .. cu_seqlens[b+1]-1`` (at most ``max_rows``:
 1 for decode, k+1 for verify). Per value head h (key head ``h // (Hv / Hk)``), from the state
@@ -9,7 +9,7 @@ B sequences; sequence b owns rows ``cu_seqlens[b] .. cu_seqlens[b+1]-1`` (at mos
     S'_t = exp(g_t) S_{t-1};   u_t = beta_t (v_t - S'_t^T k_t);   S_t = S'_t + k_t u_t^T;   o_t = S_t^T q_t
 
 (the first three are :func:`delta_rule_step` and :func:`delta_rule_step_torch`). Inputs as
-``ModelOps.gated_delta_rule`` receives them: q, k ``[N, Hk, Dk]`` already L2-normalised, q already
+``delta_rule.gated_delta_rule`` receives them: q, k ``[N, Hk, Dk]`` already L2-normalised, q already
 scaled by ``Dk^-1/2``; v ``[N, Hv, Dv]``; g (log-decay), beta ``[N, Hv]``. Any float dtype in; all
 arithmetic in fp32; o ``[N, Hv, Dv]`` fp32.
 
@@ -70,7 +70,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .triton_compat import tl, triton
+from ..common.triton_compat import tl, triton
 
 EXACT_ROWS = 16  # up to this many rows the loop length is max_rows itself; above, the next power of two
 UNROLL_MIN_ROWS = 2  # from 2 rows (a verify) to EXACT_ROWS the row loop is unrolled (module docstring); a decode's

@@ -35,7 +35,8 @@ from dflash2.reference.request.sampling_params import TOP_K_OFF, SamplingParams
 from .philox import keyed_uniform_torch, philox_uniform, seeds_tensor
 from .row_filter import (DEFAULT_CONFIG, FilterConfig, Layout, RowFilter, filter_triton, kept_mask,
                          kept_weights_torch, row_params)
-from .triton_compat import tl, triton, use_triton
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.triton_compat import tl, triton
 
 
 @dataclass(frozen=True)
@@ -337,14 +338,5 @@ def sample_triton(logits: Tensor, st: SamplingTensors, positions: Tensor, purpos
     return out
 
 
-def target_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
-    """The engine's entry point: Triton on CUDA, torch elsewhere."""
-    return target_probs_triton(logits, st) if use_triton(logits) else target_probs_torch(logits, st)
-
-
-def sample(logits: Tensor, st: SamplingTensors, positions: Tensor, purpose: int = Purpose.SAMPLE,
-           slots: Tensor | int = 0) -> Tensor:
-    """The engine's entry point: Triton on CUDA, torch elsewhere."""
-    if use_triton(logits):
-        return sample_triton(logits, st, positions, purpose, slots)
-    return sample_torch(logits, st, positions, purpose, slots)
+target_probs = KernelOp("target_probs", target_probs_torch, GpuForm(target_probs_triton))
+sample = KernelOp("sample", sample_torch, GpuForm(sample_triton))

@@ -44,9 +44,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .paged_attention import MERGE_SPLITS, plan_splits
-from .pdl import launch_options, pdl_enabled
-from .triton_compat import tl, triton, use_triton
+from ..attention.paged_attention import MERGE_SPLITS, plan_splits
+from ..common.pdl import launch_options, pdl_enabled
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.triton_compat import tl, triton
 
 LOG2E = math.log2(math.e)  # scores in base 2: exp(x) = exp2(x log2 e)
 
@@ -148,7 +149,7 @@ def _ring_split_kernel(q_ptr, bk_ptr, bv_ptr, rk_ptr, rv_ptr, ring_slot_ptr, anc
                        WINDOW: tl.constexpr, CAPACITY: tl.constexpr, M_PAD: tl.constexpr, S_PAD: tl.constexpr,
                        D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
                        NUM_SPLITS: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+    if PDL:  # first, before any load or store: fast/kernels/common/pdl.py's rule
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
@@ -239,7 +240,7 @@ def _ring_split_kernel(q_ptr, bk_ptr, bv_ptr, rk_ptr, rv_ptr, ring_slot_ptr, anc
 def _ring_merge_kernel(po_ptr, plse_ptr, out_ptr, S: tl.constexpr, GROUP: tl.constexpr, HKV: tl.constexpr,
                        D: tl.constexpr, D_PAD: tl.constexpr, M_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
                        S_CHUNK: tl.constexpr, D_BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+    if PDL:  # first, before any load or store: fast/kernels/common/pdl.py's rule
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)  # b * S + i
@@ -310,8 +311,4 @@ def ring_attention_triton(q: Tensor, block_k: Tensor, block_v: Tensor, ring_k: T
     return out
 
 
-def ring_attention(q: Tensor, block_k: Tensor, block_v: Tensor, ring_k: Tensor, ring_v: Tensor,
-                   ring_slots: Tensor, anchor_positions: Tensor, window: int, scale: float | None = None) -> Tensor:
-    """The engine's entry point: Triton on CUDA, torch elsewhere."""
-    fn = ring_attention_triton if use_triton(q) else ring_attention_torch
-    return fn(q, block_k, block_v, ring_k, ring_v, ring_slots, anchor_positions, window, scale)
+ring_attention = KernelOp("ring_attention", ring_attention_torch, GpuForm(ring_attention_triton))

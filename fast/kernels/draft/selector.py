@@ -33,10 +33,11 @@ from torch import Tensor
 
 from dflash2.reference.request.rng import Purpose
 
-from .pdl import launch_options, pdl_enabled
-from .philox import keyed_uniform_torch, philox_uniform
-from .sampler import draw_torch
-from .triton_compat import tl, triton, use_triton
+from ..common.pdl import launch_options, pdl_enabled
+from ..sampling.philox import keyed_uniform_torch, philox_uniform
+from ..sampling.sampler import draw_torch
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.triton_compat import tl, triton
 
 _SELECTOR = tl.constexpr(int(Purpose.SELECTOR))
 # blocks whose winners one program of the first merge level takes: 16 x 16 = 256 entries, so the
@@ -159,7 +160,7 @@ def _block_topk_kernel(logits_ptr, stride_b, stride_i, out_key_ptr, K: tl.conste
                        PDL: tl.constexpr):
     """Program (row, blk): the keys of the KSEL best logits of ids blk*BLOCK_V .. +BLOCK_V-1 of row b*K + i,
     written at ``(row * NUM_BLOCKS + blk) * KSEL`` (a block with fewer real ids pads with _EMPTY)."""
-    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+    if PDL:  # first, before any load or store: fast/kernels/common/pdl.py's rule
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)  # b * K + i
@@ -180,7 +181,7 @@ def _merge_topk_kernel(key_ptr, out_key_ptr, cand_ptr, unary_ptr, logits_ptr, st
     """Program (row, g): the KSEL largest of the row's keys g*GROUP .. (g+1)*GROUP-1 (of ENTRIES), written at
     ``(row * groups + g) * KSEL``: as keys to ``out_key_ptr`` for a later level, or with FINAL decoded into the
     ids (``cand_ptr``) and their logits (``unary_ptr``)."""
-    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+    if PDL:  # first, before any load or store: fast/kernels/common/pdl.py's rule
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
@@ -216,7 +217,7 @@ def _project_kernel(hidden_ptr, stride_hb, stride_hs, stride_hc, proj_ptr, strid
     ``[B, k, RANK]`` contiguous. Each program reads its slice of P once for all k rows, and all of C: no split
     to sum, so one fixed order (a [K_PAD, BLOCK_R, BLOCK_C] fp32 accumulator over C in BLOCK_C steps, then one
     tree over its lanes) and no float atomic; request b's g reads request b's rows only, whatever B is."""
-    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+    if PDL:  # first, before any load or store: fast/kernels/common/pdl.py's rule
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
@@ -245,7 +246,7 @@ def _walk_kernel(cand_ptr, unary_ptr, proj_ptr, pred_ptr, succ_ptr, anchor_tok_p
                  PDL: tl.constexpr):
     """Program b: the k slots of request b in order. C_i, U_i ``[B, k, KSEL]``, g ``[B, k, RANK]`` fp32 (rows
     contiguous); codebooks A, Bc ``[V, RANK]`` (rows contiguous) -> y ``[B, k]``, q and sigma ``[B, k, KSEL]``."""
-    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+    if PDL:  # first, before any load or store: fast/kernels/common/pdl.py's rule
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
@@ -379,8 +380,10 @@ def project_triton(hidden: Tensor, projection: Tensor, k: int, block_r: int = 1,
 
 def select_triton(draft_logits: Tensor, hidden: Tensor, projection: Tensor, predecessor_codebook: Tensor,
                   successor_codebook: Tensor, anchor_tokens: Tensor, k: int, top_k: int, temperature: Tensor,
-                  greedy: Tensor, seeds: Tensor, anchor_positions: Tensor, block_v: int | None = None) -> SelectorBatch:
-    """``select_torch`` by the Triton kernels (same arguments and result)."""
+                  greedy: Tensor, seeds: Tensor, anchor_positions: Tensor, all_greedy: bool = False,
+                  block_v: int | None = None) -> SelectorBatch:
+    """``select_torch`` by the Triton kernels (same arguments and result; ``all_greedy`` is the torch walk's
+    hint, unused here)."""
     _check(draft_logits, hidden, k, top_k)
     batch = draft_logits.shape[0]
     device = draft_logits.device
@@ -404,10 +407,5 @@ def select_triton(draft_logits: Tensor, hidden: Tensor, projection: Tensor, pred
     return SelectorBatch(tokens, cand_ids, probs, sigma)
 
 
-def select(*args, all_greedy: bool = False, **kwargs) -> SelectorBatch:
-    """The engine's entry point (``select_torch``'s arguments): Triton on CUDA, torch elsewhere.
-    ``all_greedy`` (host knowledge) only shortens the torch walk; the Triton walk needs no hint."""
-    logits = args[0] if args else kwargs["draft_logits"]
-    if use_triton(logits):
-        return select_triton(*args, **kwargs)
-    return select_torch(*args, all_greedy=all_greedy, **kwargs)
+# ``all_greedy`` (host knowledge) only shortens the torch walk; the Triton walk needs no hint
+select = KernelOp("selector", select_torch, GpuForm(select_triton))

@@ -34,11 +34,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..model.norm import add_rms_norm_torch
 from .dynamic_conv import _check as _check_conv
 from .dynamic_conv import conv_taps, grouped_dynamic_conv_torch
-from .pdl import launch_options, pdl_enabled
-from .triton_compat import tl, triton, use_triton
+from ..common.pdl import launch_options, pdl_enabled
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.triton_compat import tl, triton
+from ..dense.rms_norm import add_rms_norm_torch
 
 MAX_BLOCK = 8192  # channels one program holds (C = 5120 pads to 8192), as rms_norm.MAX_BLOCK; no chunked walk here
 
@@ -70,7 +71,7 @@ def _conv_finish_norm_kernel(o_ptr, base_ptr, delta_ptr, res_ptr, scale_ptr, h_p
                              stride_base, stride_db, stride_ds, stride_dk, stride_rb, stride_rs, eps,
                              S: tl.constexpr, C: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
                              BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+    if PDL:  # first, before any load or store: fast/kernels/common/pdl.py's rule
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
@@ -118,8 +119,4 @@ def conv_finish_norm_triton(o: Tensor, base: Tensor, delta: Tensor, group_size: 
     return h, u
 
 
-def conv_finish_norm(o: Tensor, base: Tensor, delta: Tensor, group_size: int, residual: Tensor, scale: Tensor,
-                     eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The engine's entry point: one kernel on CUDA, the torch composition elsewhere."""
-    fn = conv_finish_norm_triton if use_triton(o, base, delta, residual, scale) else conv_finish_norm_torch
-    return fn(o, base, delta, group_size, residual, scale, eps, out_dtype)
+conv_finish_norm = KernelOp("conv_finish_norm", conv_finish_norm_torch, GpuForm(conv_finish_norm_triton))

@@ -2,7 +2,7 @@
 of ``reference/delta_rule.gated_delta_rule_recurrent`` (its chunked form,
 ``gated_delta_rule_chunked``, derives what these kernels compute).
 
-Same inputs as ``ModelOps.gated_delta_rule``: the rows of B sequences flattened with
+Same inputs as ``delta_rule.gated_delta_rule``: the rows of B sequences flattened with
 ``cu_seqlens [B+1]``; q, k ``[N, Hk, Dk]`` already L2-normalised, q already scaled by
 ``Dk^-1/2``; v ``[N, Hv, Dv]``; g (log-decay) and beta ``[N, Hv]``. Sequence b starts from
 ``initial_state[state_index[b]]`` (default row b; a negative index starts from zeros). Returns

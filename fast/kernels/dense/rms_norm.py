@@ -1,5 +1,10 @@
-"""Fused RMSNorms of the decoder layers, twins of ``fast/model/norm.add_rms_norm_torch`` and
-``gated_rms_norm_torch`` (and so of ``reference/model/norm.rms_norm`` and ``gated_rms_norm``).
+"""RMSNorm in the two flavours of a Qwen3.5 hybrid (twin of ``reference/model/norm.rms_norm`` and
+``gated_rms_norm``): the torch forms and the fused kernels, each pair one :class:`KernelOp`.
+
+    zero-centred:  y = x / sqrt(mean(x^2) + eps) * (1 + w)        every norm but the GDN output's
+    gated:         y = x / sqrt(mean(x^2) + eps) * w * silu(z)     the GDN output norm, per value head
+
+The callers keep ``1 + w`` (or ``w``) precomputed in fp32; the result is cast to ``out_dtype``.
 
 Residual add + zero-centred RMSNorm, per row of ``x [N, C]`` and the update ``y [N, C]`` (or none)::
 
@@ -27,7 +32,35 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .triton_compat import tl, triton
+import torch.nn.functional as F
+
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.triton_compat import tl, triton
+
+def _normalize(x: Tensor, eps: float) -> Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def rms_norm(x: Tensor, scale: Tensor, eps: float, out_dtype: torch.dtype) -> Tensor:
+    """x: ``[..., C]``; scale: fp32 ``[C]``, already ``1 + w``. Returns ``[..., C]`` in ``out_dtype``."""
+    return (_normalize(x, eps) * scale).to(out_dtype)
+
+
+def add_rms_norm_torch(x: Tensor, update: Tensor | None, scale: Tensor, eps: float,
+                       out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The residual add and the next norm: ``h = x + update`` (in x's dtype; ``update`` None: h = x).
+
+    x, update: ``[N, C]``; scale: fp32 ``[C]`` (1 + w). Returns ``(h [N, C], rms_norm(h) [N, C] in out_dtype)``.
+    """
+    h = x if update is None else x + update
+    return h, rms_norm(h, scale, eps, out_dtype)
+
+
+def gated_rms_norm_torch(x: Tensor, gate: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> Tensor:
+    """x, gate: ``[..., Dv]``; weight: fp32 ``[Dv]`` applied as is. Returns ``[..., Dv]`` in ``out_dtype``."""
+    return (_normalize(x, eps) * weight * F.silu(gate.float())).to(out_dtype)
+
 
 MAX_BLOCK = 8192  # channels one program holds at once (C = 5120 pads to 8192: 16 fp32 per thread at 16 warps)
 
@@ -146,3 +179,9 @@ def gated_rms_norm_triton(x: Tensor, gate: Tensor, weight: Tensor, eps: float, o
         x, gate, weight, out, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1), float(eps), HV=heads, DV=dim,
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
     return out
+
+
+add_rms_norm = KernelOp("add_rms_norm", add_rms_norm_torch, GpuForm(
+    add_rms_norm_triton, fits=lambda x, update, *_: x.dim() == 2 and (update is None or update.dtype == x.dtype)))
+gated_rms_norm = KernelOp("gated_rms_norm", gated_rms_norm_torch,
+                          GpuForm(gated_rms_norm_triton, fits=lambda x, *_: x.dim() == 3))

@@ -1,4 +1,4 @@
-"""The SwiGLU activation of a fused gate|up GEMM output, twin of ``fast/model/mlp.swiglu_act_torch`` (and so of
+"""The SwiGLU activation of a fused gate|up GEMM output, beside its torch twin :func:`swiglu_act_torch` (and so
 the activation inside ``reference/model/mlp.swiglu``).
 
 Per row n of ``gate_up [N, 2I]`` (gate columns first, as ``x @ [W_gate; W_up].T`` writes them)::
@@ -20,7 +20,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .triton_compat import tl, triton
+import torch.nn.functional as F
+
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.triton_compat import tl, triton
+
+def swiglu_act_torch(gate_up: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+    """``silu(gate) * up`` in fp32, rounded once  # gate_up [..., 2I] (gate first) -> [..., I] in out_dtype.
+
+    out_dtype defaults to gate_up's dtype; in fp32 this is ``F.silu(gate) * up`` bit for bit.
+    """
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype if out_dtype is None else out_dtype)
+
 
 SMALL_ROWS = 32  # up to this many rows, 256-column programs (8 rows x 5632 columns: 176 programs, not 48)
 
@@ -52,3 +64,13 @@ def swiglu_act_triton(gate_up: Tensor, out_dtype: torch.dtype | None = None) -> 
     _swiglu_kernel[(rows, triton.cdiv(width, block))](gate_up, out, gate_up.stride(0), out.stride(0), WIDTH=width,
                                                       BLOCK=block, num_warps=max(1, min(4, block // 256)))
     return out
+
+
+swiglu_act = KernelOp("swiglu", swiglu_act_torch,
+                      GpuForm(swiglu_act_triton, fits=lambda gate_up, *_: gate_up.dim() == 2 and gate_up.stride(-1) == 1))
+
+
+def swiglu(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
+    """The SwiGLU MLP ``W_down (silu(W_gate x) * (W_up x))``: x ``[N, C]``; w_gate_up ``[2I, C]`` (gate rows
+    first); w_down ``[C, I]``. Returns ``[N, C]``. The GEMMs are cuBLAS's, the activation :data:`swiglu_act`."""
+    return swiglu_act(x @ w_gate_up.T) @ w_down.T

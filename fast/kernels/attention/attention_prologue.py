@@ -1,5 +1,5 @@
-"""The elementwise prologue and epilogue of gated full attention, twins of
-``fast/model/rope.qk_norm_rope_torch`` and :func:`output_gate_torch` (reference/model/attention.py's
+"""The elementwise prologue and epilogue of gated full attention, each kernel beside its torch twin
+(:func:`qk_norm_rope_torch`, :func:`output_gate_torch`; reference/model/attention.py's
 ``GatedAttention.forward``: per-head RMSNorm, partial NeoX RoPE, the sigmoid output gate).
 
 Prologue, from the fused projection rows ``qkv [N, H*2D + 2*Hkv*D]`` (per query head ``[query D |
@@ -20,7 +20,7 @@ Epilogue: ``out[n, h*D + d] = attn[n, h, d] * sigmoid(gate[n, h, d])``, the sigm
 the model dtype before the product, as the torch form computes it; ``gate`` is read in place from
 the projection (row stride ``H*2D + 2*Hkv*D``, head stride 2D).
 
-The draft's prologue (:func:`draft_qk_norm_rope_triton`, twin of ``fast/model/rope.draft_qk_norm_rope_torch``
+The draft's prologue (:func:`draft_qk_norm_rope_triton`, twin of :func:`draft_qk_norm_rope_torch`
 and so of reference/model/draft.py's ``qwen3_rms_norm`` + ``apply_rope``) is the same norm and rotation on separate
 q ``[N, H, D]`` and k ``[N, Hkv, D]`` (views into the draft's q and k/v projections), with the
 weights as stored for scales (Qwen3's ``w * x / rms(x)``), returning both in the model dtype: no gate
@@ -35,8 +35,42 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .pdl import launch_options, pdl_enabled
-from .triton_compat import tl, triton, use_triton
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.pdl import launch_options, pdl_enabled
+from ..common.triton_compat import tl, triton
+from ..dense.rms_norm import rms_norm
+from .rope import apply_rope
+
+
+def qk_norm_rope_torch(qkv: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin: Tensor, eps: float,
+                       num_heads: int, num_kv_heads: int, key_cache: Tensor, value_cache: Tensor,
+                       write_index: Tensor) -> Tensor:
+    """The attention prologue: ``q = rope(rmsnorm_q(q))``, and ``rope(rmsnorm_k(k))``, v into the caches.
+
+    qkv: ``[N, H*2D + 2*Hkv*D]`` the fused projection (per query head ``[query D | gate D]``, then K,
+    then V); q_scale, k_scale: fp32 ``[D]`` (1 + w); cos, sin: fp32 ``[N, rd/2]``; key_cache,
+    value_cache: ``[S, Hkv, D]``, row ``write_index[n]`` receives row n's K and V (in the model
+    dtype, then the cache's). Returns q ``[N, H, D]`` in qkv's dtype. Norms and rotation in fp32.
+    """
+    rows, dim = qkv.shape[0], key_cache.shape[-1]
+    query_gate, k, v = torch.split(qkv, [2 * num_heads * dim, num_kv_heads * dim, num_kv_heads * dim], dim=-1)
+    q = query_gate.view(rows, num_heads, 2 * dim)[..., :dim]  # [N, H, D]
+    q = apply_rope(rms_norm(q, q_scale, eps, torch.float32), cos, sin).to(qkv.dtype)
+    k = apply_rope(rms_norm(k.view(rows, num_kv_heads, dim), k_scale, eps, torch.float32), cos, sin).to(qkv.dtype)
+    key_cache.index_copy_(0, write_index, k.to(key_cache.dtype))
+    value_cache.index_copy_(0, write_index, v.view(rows, num_kv_heads, dim).to(value_cache.dtype))
+    return q
+
+
+def draft_qk_norm_rope_torch(q: Tensor, k: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin: Tensor,
+                             eps: float) -> tuple[Tensor, Tensor]:
+    """``rope(x / rms(x) * scale)`` per head of q ``[N, H, D]`` and k ``[N, Hkv, D]``, in fp32.
+
+    q_scale, k_scale: fp32 ``[D]`` (the draft's Qwen3 norms: the weights as stored); cos, sin: fp32
+    ``[N, rd/2]``. Returns (q, k) in the inputs' dtype.
+    """
+    q_out = apply_rope(rms_norm(q, q_scale, eps, torch.float32), cos, sin).to(q.dtype)
+    return q_out, apply_rope(rms_norm(k, k_scale, eps, torch.float32), cos, sin).to(k.dtype)
 
 
 @triton.jit
@@ -138,7 +172,7 @@ def _draft_qk_norm_rope_kernel(q_ptr, k_ptr, q_scale_ptr, k_scale_ptr, cos_ptr, 
                                stride_qn, stride_qh, stride_kn, stride_kh, stride_cos, stride_sin, eps,
                                H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                                BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+    if PDL:  # first, before any load or store: fast/kernels/common/pdl.py's rule
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0).to(tl.int64)
@@ -219,6 +253,6 @@ def output_gate_triton(attn: Tensor, gate: Tensor) -> Tensor:
     return out
 
 
-def output_gate(attn: Tensor, gate: Tensor) -> Tensor:
-    """``output_gate_torch``'s contract; CUDA tensors go to the kernel."""
-    return output_gate_triton(attn, gate) if use_triton(attn, gate) else output_gate_torch(attn, gate)
+qk_norm_rope = KernelOp("qk_norm_rope", qk_norm_rope_torch, GpuForm(qk_norm_rope_triton))
+draft_qk_norm_rope = KernelOp("draft_qk_norm_rope", draft_qk_norm_rope_torch, GpuForm(draft_qk_norm_rope_triton))
+output_gate = KernelOp("output_gate", output_gate_torch, GpuForm(output_gate_triton))

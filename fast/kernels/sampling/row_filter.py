@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .triton_compat import tl, triton
+from ..common.triton_compat import tl, triton
 
 _RID = tl.constexpr(2**31 - 1)
 # the key of +inf at id 0, the largest key of a NaN-free row; small enough that key + thresholds fits in int64

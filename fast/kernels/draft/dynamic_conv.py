@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .pdl import launch_options, pdl_enabled
-from .triton_compat import tl, triton, use_triton
+from ..common.pdl import launch_options, pdl_enabled
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.triton_compat import tl, triton
 
 MAX_BLOCK_C = 1024  # channels per program: 5120 channels are 5 programs per row
 
@@ -81,7 +82,7 @@ def _grouped_dynamic_conv_kernel(x_ptr, base_ptr, delta_ptr, res_ptr, out_ptr, s
                                  stride_db, stride_ds, stride_dk, stride_rb, stride_rs,
                                  S: tl.constexpr, C: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
                                  BLOCK_C: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+    if PDL:  # first, before any load or store: fast/kernels/common/pdl.py's rule
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
@@ -120,8 +121,4 @@ def grouped_dynamic_conv_triton(x: Tensor, base: Tensor, delta: Tensor, group_si
     return out
 
 
-def grouped_dynamic_conv(x: Tensor, base: Tensor, delta: Tensor, group_size: int,
-                         residual: Tensor | None = None) -> Tensor:
-    """The engine's entry point: one kernel on CUDA, the tap loop elsewhere."""
-    fn = grouped_dynamic_conv_triton if use_triton(x, base, delta) else grouped_dynamic_conv_torch
-    return fn(x, base, delta, group_size, residual)
+grouped_dynamic_conv = KernelOp("dynamic_conv", grouped_dynamic_conv_torch, GpuForm(grouped_dynamic_conv_triton))

@@ -27,7 +27,8 @@ from torch import Tensor
 from dflash2.reference.request.rng import (MASK32, PHILOX_A, PHILOX_B, PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUNDS,
                                             philox4x32)
 
-from .triton_compat import tl, triton, use_triton
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.triton_compat import tl, triton
 
 _ROUND_A = tl.constexpr(PHILOX_A)
 _ROUND_B = tl.constexpr(PHILOX_B)
@@ -149,8 +150,4 @@ def keyed_uniform_torch(seeds: Tensor, positions: Tensor | int, purpose: Tensor 
     return ((word >> 9).to(torch.float32) + 0.5) * 2.0**-23
 
 
-def keyed_uniform(seeds: Tensor, positions: Tensor | int, purpose: Tensor | int, slots: Tensor | int = 0) -> Tensor:
-    """The engine's entry point: Triton on CUDA, torch elsewhere."""
-    if use_triton(seeds):
-        return keyed_uniform_triton(seeds, positions, purpose, slots)
-    return keyed_uniform_torch(seeds, positions, purpose, slots)
+keyed_uniform = KernelOp("philox", keyed_uniform_torch, GpuForm(keyed_uniform_triton))

@@ -62,7 +62,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .triton_compat import tl, triton
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.triton_compat import tl, triton
 
 MAX_EXPERTS = 1024  # kernel 2 keeps a row's E probabilities in registers
 MAX_TOP_K = 64  # kernel 2 unrolls k rounds
@@ -267,3 +268,12 @@ def route_triton(x: Tensor, w_router: Tensor, top_k: int, *, shared_gate: bool =
         K_PAD=triton.next_power_of_2(top_k), ID_SPAN=e_pad, SHARED=int(shared_gate), NUM_SPLITS=splits,
         num_warps=1 if e_pad <= 512 else 2)  # within one warp the k rounds of reductions are shuffles only
     return expert_ids, weights
+
+
+MAX_TRITON_ROUTE_ROWS = 512  # above (long prefills) cuBLAS's GEMM, not the kernel's CUDA-core products (unmeasured)
+
+# ``(expert_ids [N, k] int64, weights [N, k] fp32)``; the kernels (no host sync) for CUDA tensors of at most
+# MAX_TRITON_ROUTE_ROWS rows, and of any size inside a CUDA-graph capture
+route = KernelOp("route", route_torch,
+                 GpuForm(route_triton, fits=lambda x, *_, **__: x.shape[0] <= MAX_TRITON_ROUTE_ROWS),
+                 gpu_in_capture=True)

@@ -1,5 +1,6 @@
 """The routed experts of the MoE sublayer as two Triton kernels (three in the split form), sync-free and
-graph-capturable, twin of ``reference/model/moe.routed_experts`` (torch twin: ``fast/model/moe.moe_experts_torch``).
+graph-capturable, twin of ``reference/model/moe.routed_experts``, beside its torch twin :func:`moe_experts_torch`
+(one matmul pair per active expert after a host read of the per-expert counts: not capturable).
 
 N rows, k choices each, E experts of width I, pairs ``p = n k + j`` (P = N k)::
 
@@ -40,7 +41,7 @@ so the call leaves ``ready`` all zero. Same arithmetic, same bits as the split f
 (``bench_moe.py --blocks-ab``, bench/results/2026-12-04-h200-perf14): 92.7 against 95.0 us a layer at 8 rows,
 155.7 against 161.3 at 16.
 
-On Hopper the kernels launch with PDL (fast/kernels/pdl.py; DFLASH2_PDL=0 turns it off, bit for bit the
+On Hopper the kernels launch with PDL (fast/kernels/common/pdl.py; DFLASH2_PDL=0 turns it off, bit for bit the
 same): each launch then hides under the previous kernel's tail (bench_moe.py --pdl-ab, H200: 23.0 -> 22.4 us
 a layer at 1 row, 94.7 -> 92.8 at 8, 162.6 -> 161.3 at 16).
 
@@ -61,8 +62,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .pdl import launch_options, pdl_enabled
-from .triton_compat import tl, triton
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.pdl import launch_options, pdl_enabled
+from ..common.triton_compat import tl, triton
+from ..dense.swiglu import swiglu
 
 MAX_TRITON_PAIRS = 2048  # (row, choice) pairs; above, the id scans grow as P^2 (bench_moe.py's N = 256 is the limit)
 
@@ -214,7 +217,7 @@ def _moe_expert_tile_kernel(x_ptr, ids_ptr, gate_up_ptr, down_ptr, partials_ptr,
                             P_PAD: tl.constexpr, PAIR_TILE: tl.constexpr, MAX_CHUNKS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
                             BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule (the ids are the previous kernel's)
+    if PDL:  # first, before any load or store: fast/kernels/common/pdl.py's rule (the ids are the previous kernel's)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
@@ -247,7 +250,7 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, gate_up_ptr, h_ptr, ready_ptr, num_pairs
     """Split form, kernel 1: ``h [P, I]`` (the down weights' dtype) for the I tile of each active expert.
     OVERLAP: the grid is (tile, pair), so an expert's tiles are scheduled together, and each leader counts its
     tile into ``ready[e]`` once its h stores are done (release), for the down programs waiting on it."""
-    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule (the ids are the previous kernel's)
+    if PDL:  # first, before any load or store: fast/kernels/common/pdl.py's rule (the ids are the previous kernel's)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     p, tile = _pair_and_tile(OVERLAP)
@@ -327,7 +330,7 @@ leaders (P > 0), and their waits keep the completion order pdl.py's rule (c) rel
 def _moe_sum_kernel(partials_ptr, weights_ptr, out_ptr, ids_ptr, ready_ptr, C: tl.constexpr, TOP_K: tl.constexpr,
                     NUM_TILES: tl.constexpr, TILES_PAD: tl.constexpr, BLOCK_C: tl.constexpr, OVERLAP: tl.constexpr,
                     PDL: tl.constexpr):
-    if PDL:  # first, before any load or store: fast/kernels/pdl.py's rule
+    if PDL:  # first, before any load or store: fast/kernels/common/pdl.py's rule
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0).to(tl.int64)
@@ -438,3 +441,33 @@ def moe_experts_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: 
         partials, weights, out, ids, ready, C=hidden, TOP_K=top_k, NUM_TILES=num_tiles,
         TILES_PAD=triton.next_power_of_2(num_tiles), BLOCK_C=blocks.sum_block_c, OVERLAP=overlap, **launch)
     return out
+
+
+def moe_experts_torch(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """Weighted sum of each row's chosen experts.
+
+    x: ``[N, C]``; expert_ids: ``[N, k]`` long; weights: fp32 ``[N, k]``; gate_up: ``[E, 2I, C]``
+    (gate rows first); down: ``[E, C, I]``. Returns fp32 ``[N, C]``, the experts added in
+    ascending expert order per row. Reads the per-expert counts on the host (one sync).
+    """
+    num_experts, top_k = gate_up.shape[0], expert_ids.shape[1]
+    flat = expert_ids.reshape(-1)  # [N k]
+    order = torch.argsort(flat, stable=True)  # (row, choice) pairs grouped by expert
+    rows = order // top_k
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # host sync: the group sizes
+    xs = x[rows]  # [N k, C]
+    outs = torch.empty(xs.shape, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            outs[start:start + count] = swiglu(xs[start:start + count], gate_up[e], down[e]).float()
+            start += count
+    weighted = outs * weights.reshape(-1)[order, None]  # [N k, C]
+    return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, rows, weighted)
+
+
+# CUDA tensors of up to MAX_TRITON_PAIRS (row, choice) pairs (decode and verify steps), and any size inside a
+# CUDA-graph capture, go to the sync-free kernels; long prefills to the torch form
+moe_experts = KernelOp("moe_experts", moe_experts_torch, GpuForm(
+    moe_experts_triton, fits=lambda x, expert_ids, *_: expert_ids.numel() <= MAX_TRITON_PAIRS),
+    torch_capturable=False)

@@ -1,5 +1,6 @@
-"""Split-KV ("flash-decoding") paged attention for decode and verify steps, twin of
-``fast/model/attention.paged_attention_torch`` (and so of ``reference/model/attention.causal_attention``).
+"""Paged causal GQA attention: the torch twin :func:`paged_attention_torch` (a gather of each sequence's
+whole context; twin of ``reference/model/attention.causal_attention``) and the split-KV ("flash-decoding")
+kernels for decode and verify steps, one :class:`KernelOp` (:data:`paged_attention`).
 
 B sequences; sequence b owns query rows ``cu_seqlens[b] .. cu_seqlens[b+1]-1`` (at most
 ``max_query_len``: 1 for decode, k+1 <= 16 for a verify) at ``positions``, and ``context_lens[b]``
@@ -44,7 +45,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .triton_compat import tl, triton
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.triton_compat import tl, triton
 
 MAX_QUERY_LEN = 16  # rows per sequence the tile is built for (decode: 1, verify: k+1)
 MAX_TILE_ROWS = 128  # Tq * G, padded: larger tiles spill registers at D = 256
@@ -306,7 +308,7 @@ def paged_attention_decode(q: Tensor, key_cache: Tensor, value_cache: Tensor, bl
 
 
 def paged_attention_triton(q: Tensor, key_cache: Tensor, value_cache: Tensor, meta, **tuning) -> Tensor:
-    """``ModelOps.paged_attention`` by the kernels: ``paged_attention_torch``'s arguments and result.
+    """:func:`paged_attention_torch`'s arguments and result, by the kernels.
 
     ``meta`` is the step's :class:`~dflash2.fast.model.step.StepMeta` (its ``block_tables``,
     ``context_lens``, ``cu_seqlens``, ``positions``, ``max_query_len`` and ``page_size``).
@@ -314,3 +316,34 @@ def paged_attention_triton(q: Tensor, key_cache: Tensor, value_cache: Tensor, me
     return paged_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens,
                                   meta.positions, max_query_len=meta.max_query_len, page_size=meta.page_size,
                                   **tuning)
+
+
+def paged_attention_torch(q: Tensor, key_cache: Tensor, value_cache: Tensor, meta) -> Tensor:
+    """Causal GQA attention of each row over its sequence's paged K/V.
+
+    q: ``[N, H, D]``; key_cache, value_cache: ``[S, Hkv, D]`` flat slots (S may include the trash
+    row); ``meta`` the step's ``StepMeta``. Row n attends keys t of its sequence with ``t < context_len``
+    and ``t <= position``. Scores and softmax in fp32. Returns ``[N, H, D]`` in q's dtype. Slots outside
+    the context are zeroed before use, so whatever they hold (NaN poison included) cannot leak in.
+    """
+    heads, head_dim, kv_heads = q.shape[1], q.shape[2], key_cache.shape[1]
+    groups = heads // kv_heads
+    valid = meta.kv_valid[:, :, None, None]  # [B, Tctx, 1, 1]
+    keys = torch.where(valid, key_cache[meta.kv_gather], 0.0).to(q.dtype)  # [B, Tctx, Hkv, D]
+    values = torch.where(valid, value_cache[meta.kv_gather], 0.0).to(q.dtype)  # [B, Tctx, Hkv, D]
+    q_pad = meta.pad(q).view(meta.num_seqs, meta.max_query_len, kv_heads, groups, head_dim)  # [B, Tq, Hkv, G, D]
+
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", q_pad, keys).float() * head_dim ** -0.5  # [B, Hkv, G, Tq, Tctx]
+    key_positions = torch.arange(keys.shape[1], device=q.device)
+    visible = meta.kv_valid[:, None, :] & (key_positions[None, None, :] <= meta.query_positions[:, :, None])
+    visible = visible[:, None, None]  # [B, 1, 1, Tq, Tctx]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    probs = torch.where(visible.any(dim=-1, keepdim=True), probs, 0.0)  # padded query rows see nothing
+    out = torch.einsum("bhgqk,bkhd->bqhgd", probs.to(values.dtype), values)  # [B, Tq, Hkv, G, D]
+    return meta.unpad(out.reshape(meta.num_seqs, meta.max_query_len, heads, head_dim))
+
+
+# steps of at most MAX_QUERY_LEN rows per sequence (decode, verify) on CUDA run the kernels; prefill chunks the
+# torch form
+paged_attention = KernelOp("paged_attention", paged_attention_torch, GpuForm(
+    paged_attention_triton, fits=lambda q, key_cache, value_cache, meta: 1 <= meta.max_query_len <= MAX_QUERY_LEN))

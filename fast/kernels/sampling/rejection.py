@@ -38,7 +38,8 @@ from dflash2.reference.request.rng import Purpose
 from .philox import keyed_uniform_torch, philox_uniform
 from .row_filter import DEFAULT_CONFIG, FilterConfig, Layout, filter_triton, kept_weights_torch, row_params
 from .sampler import SamplingTensors, VerifyDraws, draw_torch, launch_draws
-from .triton_compat import tl, triton, use_triton
+from ..common.dispatch import GpuForm, KernelOp
+from ..common.triton_compat import tl, triton
 
 EMPTY = -1
 _ACCEPT = tl.constexpr(int(Purpose.ACCEPT))
@@ -221,8 +222,4 @@ def verify_triton(target_logits: Tensor, st: SamplingTensors, draft_tokens: Tens
     return num_accepted, emitted
 
 
-def verify(target_logits: Tensor, st: SamplingTensors, draft_tokens: Tensor, cand_ids: Tensor, draft_probs: Tensor,
-           anchor_positions: Tensor) -> tuple[Tensor, Tensor]:
-    """The engine's entry point: Triton on CUDA, torch elsewhere."""
-    fn = verify_triton if use_triton(target_logits) else verify_torch
-    return fn(target_logits, st, draft_tokens, cand_ids, draft_probs, anchor_positions)
+verify = KernelOp("rejection", verify_torch, GpuForm(verify_triton))
