@@ -18,7 +18,7 @@ exact run it will time (so every CUDA graph is captured and every kernel compile
 Random weights accept no drafts. ``--simulate-tokens-per-step T`` (timing only, labelled in every
 output) makes each verify keep drafts so the mean committed tokens per step is T (the seed's
 measured 5.47 on 27B, 5.39 on 35B-A3B), so the end-to-end tokens/s of a trained pair at that
-acceptance can be set beside plain decoding; it never reaches a serving path.
+acceptance can be set beside plain decoding (bench/simulated.py wraps the engine's verifier; no serving path can).
 
 Floors (bench/floors.py) are computed from the config and the copy bandwidth measured in the run.
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -37,14 +36,16 @@ from pathlib import Path
 
 import torch
 
-from dflash2.fast.engine.sampler import verify_ragged
 from dflash2.fast.kernels.sampling.sampler import SamplingTensors
 from dflash2.fast.llm import LLM, SamplingParams
+from dflash2.fast.speculative.proposer import DraftProposal
+from dflash2.fast.speculative.verify import verify_ragged
 from dflash2.reference.formats.config import load_target_config
 from dflash2.reference.formats.draft_config import load_draft_config
 
 from .floors import dflash_draft_bytes, mtp_draft_bytes, target_step_bytes
 from .measure import copy_bandwidth, graph_seconds
+from .simulated import SimulatedAcceptance, SimulatedVerifier
 
 SETTINGS = {"off": ("none", None), "mtp3": ("mtp", 3), "mtp7": ("mtp", 7), "dflash3": ("dflash", 3),
             "dflash7": ("dflash", 7)}
@@ -68,14 +69,17 @@ class BenchArgs:
 class StepClock:
     """Wraps a runner's step methods and records each call's host wall time (each ends on a device read)."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, before_verify=None):
         self.runner, self.times = runner, {"decode": [], "verify": [], "prefill": []}
+        self.before_verify = before_verify  # called before each verify step, outside its timing
         self.accepted: list[int] = []  # drafts kept, per request and verify step
         for kind in self.times:
             setattr(runner, kind, self._timed(kind, getattr(runner, kind)))
 
     def _timed(self, kind, fn):
         def call(plan, *args, **kwargs):
+            if kind == "verify" and self.before_verify is not None:
+                self.before_verify()
             start = time.perf_counter()
             result = fn(plan, *args, **kwargs)
             self.times[kind].append(time.perf_counter() - start)
@@ -95,26 +99,6 @@ class StepClock:
         return [sum(a >= i for a in self.accepted) / n for i in range(1, k + 1)]
 
 
-class SimulatedAcceptance:
-    """Drafts kept per verify step so the running mean of committed tokens per step tracks ``target``.
-
-    Step j keeps floor((j+1)(T-1)) - floor(j(T-1)) drafts (T-1 kept on average, one more emitted)."""
-
-    def __init__(self, tokens_per_step: float):
-        self.mean_kept, self.step = tokens_per_step - 1.0, 0
-
-    def restart(self) -> None:
-        """Back to step 0: the timed run then keeps what the warm-up kept, step for step, so it meets only
-        shapes the warm-up met (a shape first seen in the timed run compiles or captures there: perf6 saw
-        verify-step means of 150-190 ms beside medians of 7.7)."""
-        self.step = 0
-
-    def __call__(self) -> int:
-        j, m = self.step, self.mean_kept
-        self.step += 1
-        return math.floor((j + 1) * m + 1e-9) - math.floor(j * m + 1e-9)
-
-
 def verify_kernel_seconds(vocab: int, num_seqs: int, k: int, device: torch.device) -> float:
     """The sparse-q verify with target probabilities (top-k 20, top-p 0.95, T = 1) on random logits."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -126,7 +110,8 @@ def verify_kernel_seconds(vocab: int, num_seqs: int, k: int, device: torch.devic
     st = SamplingTensors.from_params([SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=i)
                                       for i in range(num_seqs)], device=device)
     anchors = torch.full((num_seqs,), 100, dtype=torch.long, device=device)
-    return graph_seconds(lambda: verify_ragged(logits, drafts, cand, probs, [k] * num_seqs, st, anchors))
+    proposal = DraftProposal(drafts, cand, probs)
+    return graph_seconds(lambda: verify_ragged(logits, proposal, [k] * num_seqs, st, anchors))
 
 
 def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, bandwidth: float) -> dict:
@@ -137,16 +122,19 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
               max_model_len=prompt_len + args.max_tokens + 64, **args.extra)
     engine = llm.engine
     runner, model = engine.runner, engine.model
+    simulated = None
     if args.simulate_tokens_per_step is not None and algorithm != "none":
-        runner.simulated_accept = SimulatedAcceptance(args.simulate_tokens_per_step)
-    clock = StepClock(runner)
+        simulated = SimulatedVerifier(runner.spec.verifier, SimulatedAcceptance(args.simulate_tokens_per_step),
+                                      runner.device)
+        runner.spec.verifier = simulated
+    clock = StepClock(runner, before_verify=simulated.next_step if simulated is not None else None)
     gen = torch.Generator().manual_seed(prompt_len * 1000 + concurrency)
     vocab = model.target_cfg.vocab_size
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(concurrency)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params)  # warm-up: the same shapes, so graphs and kernels are ready
-    if runner.simulated_accept is not None:
-        runner.simulated_accept.restart()  # the same acceptance again, hence the same shapes
+    if simulated is not None:
+        simulated.schedule.restart()  # the same acceptance again, hence the same shapes
     clock.reset()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
@@ -174,7 +162,7 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
     elif algorithm == "dflash":
         draft_cfg = load_draft_config(args.draft, cfg)
         floor_bytes += dflash_draft_bytes(draft_cfg, cfg, itemsize)
-        draft_params = sum(t.numel() for t in model.proposer.proposer.draft.w.values())
+        draft_params = sum(t.numel() for t in model.proposer.draft.w.values())
     row = {
         "setting": setting, "algorithm": algorithm, "k": k, "concurrency": concurrency, "prompt_len": prompt_len,
         "max_tokens": args.max_tokens, "simulated_tokens_per_step": args.simulate_tokens_per_step
@@ -235,7 +223,7 @@ def draft_seconds(engine, concurrency: int, anchor: int, k: int) -> float:
         % engine.model.memory.num_pages
     st = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * concurrency, device=device)
 
-    return graph_seconds(lambda: runner.proposer.propose(tokens, anchors, slots, tables, k, st))
+    return graph_seconds(lambda: runner.spec.proposer.propose(tokens, anchors, slots, tables, k, st))
 
 
 def run(args: BenchArgs, on_row=None) -> dict:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from dataclasses import asdict
 
@@ -34,6 +33,7 @@ from triton.testing import do_bench
 
 from dflash2.fast.kernels.moe.moe import MAX_TRITON_PAIRS, MoEBlocks, default_blocks, moe_experts_triton
 from dflash2.fast.kernels.moe.moe import moe_experts_torch
+from dflash2.fast.kernels.common.pdl import launch_settings
 from dflash2.bench.measure import copy_bandwidth, rms_rel
 
 HIDDEN, WIDTH, EXPERTS, TOP_K = 2048, 512, 256, 8
@@ -42,7 +42,7 @@ LAYERS = 8
 NOMINAL_BW = 4.25e12
 EXPERT_BYTES = (2 * WIDTH * HIDDEN + HIDDEN * WIDTH) * 2
 SPLIT = dict(split=True)  # the split form (fast/kernels/moe/moe.py): gate/up -> h, then the down projection by C tile
-SWEEP = {  # beside each N's default (fast/kernels/moe.default_blocks); one compile each
+SWEEP = {  # beside each N's default (fast/kernels/moe/moe.default_blocks); one compile each
     1: [MoEBlocks(block_c=256, num_stages=4, sum_block_c=16), MoEBlocks(block_c=256, num_stages=4, sum_block_c=32),
         MoEBlocks(block_c=256, num_stages=4, sum_block_c=128), MoEBlocks(block_i=16, block_c=64, **SPLIT),
         MoEBlocks(block_i=16, block_c=64, num_stages=4, **SPLIT), MoEBlocks(block_i=32, block_c=128, **SPLIT),
@@ -154,18 +154,16 @@ def sweep(layers, gen: torch.Generator, only_rows: set[int] | None = None) -> li
 
 
 def pdl_ab(layers, gen: torch.Generator, rows_list: list[int], rounds: int = 5) -> list[dict]:
-    """PDL off / on at each row count's default blocks: one graph a variant (captured with DFLASH2_PDL set as
-    it asks), replayed in interleaved rounds (A B, A B, ...) so drift in the machine lands on both alike; the
+    """PDL off / on at each row count's default blocks: one graph a variant (captured with the launch setting
+    it asks for), replayed in interleaved rounds (A B, A B, ...) so drift in the machine lands on both alike; the
     median of the rounds' medians, and whether the variants' outputs are bitwise equal."""
     results = []
     for rows in rows_list:
         args, _, floor_us = routed_case(rows, layers, gen)
-        variants = {"pdl off": "0", "pdl on": "1"}
+        variants = {"pdl off": False, "pdl on": True}
         graphs, outs = {}, {}
-        saved = os.environ.get("DFLASH2_PDL")
-        try:
-            for name, setting in variants.items():
-                os.environ["DFLASH2_PDL"] = setting
+        for name, setting in variants.items():
+            with launch_settings(pdl=setting):
                 blocks = default_blocks(rows)
                 captured: list[torch.Tensor] = []
                 graphs[name] = capture(lambda b=blocks, c=captured: c.__setitem__(
@@ -173,11 +171,6 @@ def pdl_ab(layers, gen: torch.Generator, rows_list: list[int], rounds: int = 5) 
                 graphs[name].replay()
                 torch.cuda.synchronize()
                 outs[name] = [t.clone() for t in captured]
-        finally:
-            if saved is None:
-                os.environ.pop("DFLASH2_PDL", None)
-            else:
-                os.environ["DFLASH2_PDL"] = saved
         times = {name: [] for name in variants}
         for _ in range(rounds):
             for name, graph in graphs.items():

@@ -1,5 +1,5 @@
 """MoE router benchmark: the Triton router (fast/kernels/moe/moe_router.py, two kernels) against its torch
-twin (fast/kernels/moe_router.route_torch: fp32 GEMM, softmax, stable sort, renormalise) and the
+twin (fast/kernels/moe/moe_router.route_torch: fp32 GEMM, softmax, stable sort, renormalise) and the
 former torch.topk sequence, beside the floor.
 
     Qwen3.5-35B-A3B: E = 256, C = 2048, k = 8; a larger router: E = 512, C = 4096, k = 10; bf16 x

@@ -16,7 +16,7 @@ The 35B-A3B draft's own Triton kernels at 8 rows (one request's block), as ``fas
 C = 2048, 16/4 heads of 128, conv taps 2 in groups of 16, W = 2048 (bench/shapes/qwen3.5-35b-a3b-dflash2).
 The skinny projections use their H200_TUNED configs on any GPU. The chain is repeated for 8 layers, each
 on its own weights and ring (~750 MB together, more than the L2), and captured as one CUDA graph, twice:
-with PDL (DFLASH2_PDL=1) and without (DFLASH2_PDL=0; a launch reads it when it is captured). Each
+with PDL and without (``pdl.launch_settings``; a launch reads it when it is captured). Each
 graph is timed by bench/measure.graph_replay_us (triton's do_bench median, L2 flushed between replays),
 and its outputs must equal the other's bit for bit (PDL changes no arithmetic) with the ticket counters
 all zero after the replays. Two variants: ``layer`` (with the q|k|v and o GEMMs, as the draft runs) and
@@ -24,7 +24,7 @@ all zero after the replays. Two variants: ``layer`` (with the q|k|v and o GEMMs,
 is between two of our kernels). The saving per boundary is (off - on) over the PDL launches in the graph.
 The selector's kernels run once per step, not per layer, and are left out. ``--configs-ab ROUNDS`` instead
 times the ``layer`` chain with PDL on in three forms, in interleaved rounds: perf12's GEMM configs (q|k|v and
-o in cuBLAS, no prefetch), the engine's configs with the prefetch off (DFLASH2_PREFETCH=0), and as the engine
+o in cuBLAS, no prefetch), the engine's configs with the prefetch off (``l2_prefetch=False``), and as the engine
 runs (perf13: 531.7, 517.3 and 516.3 us for 8 layers).
 
     PYTHONPATH=/tmp/pkg python3 bench/kernels/bench_pdl.py --out pdl.json     # from the repo root
@@ -33,9 +33,7 @@ runs (perf13: 531.7, 517.3 and 516.3 us for 8 layers).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import time
 
 import torch
@@ -45,7 +43,7 @@ from dflash2.bench.measure import capture_graph, graph_replay_us
 from dflash2.fast.kernels.attention.attention_prologue import draft_qk_norm_rope_triton
 from dflash2.fast.kernels.draft.conv_finish_norm import conv_finish_norm_triton
 from dflash2.fast.kernels.draft.dynamic_conv import grouped_dynamic_conv_triton
-from dflash2.fast.kernels.common.pdl import pdl_enabled
+from dflash2.fast.kernels.common.pdl import launch_settings, pdl_enabled
 from dflash2.fast.kernels.draft.ring_attention import launch_plan, ring_attention_triton
 from dflash2.fast.kernels.dense.skinny_linear import H200_TUNED, SkinnyConfig, skinny_linear_triton
 from dflash2.fast.kernels.common.tickets import MAX_COUNTERS, ticket_counters
@@ -60,29 +58,14 @@ def cuda_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-@contextlib.contextmanager
-def env_switch(name: str, on: bool):
-    """Environment variable ``name`` = "1" or "0" for the launches inside, restored after (fast/kernels/common/pdl.py reads
-    DFLASH2_PDL and DFLASH2_PREFETCH at every launch)."""
-    old = os.environ.get(name)
-    os.environ[name] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
 def pdl_setting(on: bool):
-    """DFLASH2_PDL for the launches inside."""
-    return env_switch("DFLASH2_PDL", on)
+    """PDL on or off for the launches inside (``pdl.launch_settings``; read at every launch)."""
+    return launch_settings(pdl=on)
 
 
 def prefetch_setting(on: bool):
-    """DFLASH2_PREFETCH for the launches inside (pdl.l2_prefetch_enabled)."""
-    return env_switch("DFLASH2_PREFETCH", on)
+    """The L2 prefetch on or off for the launches inside (``pdl.l2_prefetch_enabled``)."""
+    return launch_settings(l2_prefetch=on)
 
 
 def make_layers(gen: torch.Generator) -> list[dict]:
@@ -213,7 +196,7 @@ def bench_variant(name: str, chain, launches: int) -> dict:
 
 def bench_configs(layers: list[dict], gen: torch.Generator, rounds: int) -> list[dict]:
     """PDL on, the layer chain with the GEMMs as main ran them before perf13 (PERF12_CONFIGS), with the engine's
-    configs but the L2 prefetch off (DFLASH2_PREFETCH=0), and as the engine runs them, in interleaved rounds.
+    configs but the L2 prefetch off (``l2_prefetch=False``), and as the engine runs them, in interleaved rounds.
     The last two have the same tiles: their outputs must be equal bit for bit (a prefetch changes no value)."""
     inputs = make_inputs(gen)
     variants = {"perf12": (make_chain(layers, True, gen, PERF12_CONFIGS, inputs), True),

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from dflash2.fast.engine.sampler import sample_next
+from dflash2.fast.engine.sampling import sample_next
 from dflash2.fast.kernels.sampling.rejection import verify_torch, verify_triton
 from dflash2.fast.kernels.sampling.row_filter import filter_torch, filter_triton, kept_by_cut, scaled_logits
 from dflash2.fast.kernels.sampling.sampler import SamplingTensors, sample_torch

@@ -23,7 +23,7 @@ from dflash2.fast.kernels.sampling.philox import seeds_tensor
 import dflash2.fast.model.draft as draft_module
 from dflash2.fast.model.draft import FastDraft
 from dflash2.fast.speculative.dflash import FastDFlashProposer
-from dflash2.fast.speculative.ring_pool import RingPool, StaleSlotError
+from dflash2.fast.speculative.ring import RingPool, StaleSlotError
 from dflash2.reference.speculative.dflash import DFlashProposer
 from dflash2.reference.request.sampling_params import SamplingParams
 from dflash2.reference.model.target import TargetOutput
@@ -76,7 +76,7 @@ class Life:
             slots.append(torch.full((rows,), req.slot))
             positions.append(torch.arange(first, first + rows))
             features.append(features_of(taps, self.cfg.target_layer_ids))
-        self.fast.observe(torch.cat(slots).to(DEVICE), torch.cat(positions).to(DEVICE), torch.cat(features).to(DEVICE))
+        self.fast.observe_rows(torch.cat(slots).to(DEVICE), torch.cat(positions).to(DEVICE), torch.cat(features).to(DEVICE))
 
     def prefill(self, requests=REQUESTS) -> None:
         """Every prompt in one call, except that the longest runs as two chunks (the second alone)."""
@@ -105,7 +105,7 @@ class Life:
     def propose(self, k: int, slots=None):
         """The fast proposal, on the CPU."""
         tokens, anchors, slots, greedy, temperatures, seeds = self.tensors(slots)
-        out = self.fast.propose(tokens, anchors, slots, k, greedy, temperatures, seeds)
+        out = self.fast.propose_drafts(tokens, anchors, slots, k, greedy, temperatures, seeds)
         return type(out)(out.tokens.cpu(), out.cand_ids.cpu(), out.draft_probs.cpu())
 
     def compare_rings(self) -> None:
@@ -193,11 +193,11 @@ def test_a_prefill_past_a_snapshot_boundary_keeps_the_window(small_window, tiny_
     boundary, slot, spare = 100, torch.tensor([0], device=DEVICE), torch.tensor([1], device=DEVICE)
     anchor = torch.tensor([boundary], device=DEVICE)
     width = cfg.num_taps * cfg.hidden_size
-    fast.observe(slot.expand(boundary), torch.arange(boundary, device=DEVICE),
+    fast.observe_rows(slot.expand(boundary), torch.arange(boundary, device=DEVICE),
                  torch.randn(boundary, width, generator=gen).to(DEVICE))
     layers = range(cfg.num_hidden_layers)
     at_boundary = [tuple(t.clone() for t in fast.ring.gather(layer, slot, anchor)) for layer in layers]
-    fast.observe(slot.expand(rows_past), torch.arange(boundary, boundary + rows_past, device=DEVICE),
+    fast.observe_rows(slot.expand(rows_past), torch.arange(boundary, boundary + rows_past, device=DEVICE),
                  torch.randn(rows_past, width, generator=gen).to(DEVICE))
     fast.copy_window(slot, spare)
     if rows_past == 66:

@@ -100,7 +100,7 @@ def _compare_blocks(pair, tiny_target, prompt_lens: list[int], slots: list[int],
     # the requests' rows interleaved in chunks of 17, each request's rows in position order
     chunks = [(b, i) for i in range(0, max(prompt_lens), 17) for b in range(len(slots)) if i < prompt_lens[b]]
     pick = lambda ts: torch.cat([ts[b][i:i + 17] for b, i in chunks]).to(DEVICE)  # noqa: E731
-    proposer.observe(pick(row_slots), pick(positions), pick(features))
+    proposer.observe_rows(pick(row_slots), pick(positions), pick(features))
 
     anchors = torch.tensor(prompt_lens, device=DEVICE)
     slot_t = torch.tensor(slots, device=DEVICE)
@@ -157,7 +157,7 @@ def test_rows_outside_a_blocks_window_are_never_read(small_window):
     gen = torch.Generator().manual_seed(3)
     proposer = FastDFlashProposer(fast, 2, poison=True)
     n = 60
-    proposer.observe(torch.zeros(n, dtype=torch.long, device=DEVICE), torch.arange(n, device=DEVICE),
+    proposer.observe_rows(torch.zeros(n, dtype=torch.long, device=DEVICE), torch.arange(n, device=DEVICE),
                      torch.randn(n, cfg.num_taps * cfg.hidden_size, generator=gen).to(DEVICE))
     s, token, slot = (torch.tensor([x], device=DEVICE) for x in (40, 7, 0))
     clean = fast.forward_blocks(token, s, proposer.ring, slot)

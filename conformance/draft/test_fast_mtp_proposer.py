@@ -19,6 +19,7 @@ import dflash2.fast.speculative.mtp as mtp_module
 from dflash2.fast.model.batch import PAD_SLOT, ForwardBatch
 from dflash2.fast.model.mtp import FastMTP
 from dflash2.fast.model.pools import CachePools
+from dflash2.fast.kernels.sampling.sampler import SamplingTensors
 from dflash2.fast.speculative.mtp import FastMTPProposer
 from dflash2.reference.model.mtp import ReferenceMTP
 from dflash2.reference.speculative.mtp import MTPProposer
@@ -103,9 +104,9 @@ def _mtp_life(tiny_target, log) -> tuple[int, int]:
         req.reference.observe(prompt.tolist(), 0, TargetOutput(None, hidden, None), len(prompt))
         req.anchor_position, req.anchor_token = len(prompt), token_of()
     first = make_batch([(reqs[0], 0, prompts[0]), (reqs[2], 0, prompts[2][:8]), (reqs[1], 0, prompts[1])], pad_rows=2)
-    fast.observe(first, torch.cat([hiddens[0], hiddens[2][:8], hiddens[1], hidden_of(2)]).to(DEVICE), None)
+    fast.observe_hidden(first, torch.cat([hiddens[0], hiddens[2][:8], hiddens[1], hidden_of(2)]).to(DEVICE), None)
     second = make_batch([(reqs[2], 8, prompts[2][8:])], pad_rows=3)
-    fast.observe(second, torch.cat([hiddens[2][8:], hidden_of(3)]).to(DEVICE), None)
+    fast.observe_hidden(second, torch.cat([hiddens[2][8:], hidden_of(3)]).to(DEVICE), None)
 
     near_ties = compared = 0
     for k in STEP_KS:
@@ -120,8 +121,9 @@ def _mtp_life(tiny_target, log) -> tuple[int, int]:
             pools.mtp.keys[stale] = float("nan")
             pools.mtp.values[stale] = float("nan")
         tables = torch.tensor([r.pages for r in reqs], dtype=torch.int32, device=DEVICE)
+        st = SamplingTensors.from_params([SamplingParams()] * len(reqs), device=DEVICE)  # MTP drafts argmax
         proposal = fast.propose(*(torch.tensor(x, device=DEVICE) for x in ([r.anchor_token for r in reqs],
-                                [r.anchor_position for r in reqs], [r.slot for r in reqs])), k, tables)
+                                [r.anchor_position for r in reqs], [r.slot for r in reqs])), tables, k, st)
         proposal = type(proposal)(proposal.tokens.cpu(), proposal.cand_ids.cpu(), proposal.draft_probs.cpu())
         assert proposal.cand_ids.shape == (len(reqs), k, 1) and bool((proposal.draft_probs == 1).all())
         assert torch.equal(proposal.cand_ids[..., 0], proposal.tokens)
@@ -141,7 +143,7 @@ def _mtp_life(tiny_target, log) -> tuple[int, int]:
             hidden_rows.append(hidden)
             committed.append(accepted + 1)
         batch = make_batch(entries, pad_rows=2)
-        fast.observe(batch, torch.cat(hidden_rows + [hidden_of(2)]).to(DEVICE),
+        fast.observe_hidden(batch, torch.cat(hidden_rows + [hidden_of(2)]).to(DEVICE),
                      torch.tensor(committed + [1], device=DEVICE))
         for req, c in zip(reqs, committed):
             req.anchor_position += c

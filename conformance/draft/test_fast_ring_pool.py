@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from dflash2.fast.model.batch import PAD_SLOT
-from dflash2.fast.speculative.ring_pool import RingPool, StaleSlotError, WindowPool
+from dflash2.fast.speculative.ring import RingPool, StaleSlotError, WindowPool
 from dflash2.reference.speculative.ring import Ring
 
 NUM_SLOTS, WINDOW, MARGIN = 3, 6, 3

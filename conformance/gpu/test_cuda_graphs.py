@@ -1,4 +1,4 @@
-"""CUDA-graph replay of the decode and verify forwards (fast/engine/graphs.py) on the GPU lane.
+"""CUDA-graph replay of the decode and verify forwards (fast/engine/graph_step.py) on the GPU lane.
 
 1. EXACT: for every key shape, one replay equals an eager forward of the same padded batch bit for
    bit (logits, hidden, taps), and writes the same K/V and GDN state (the pools are cloned, one copy
@@ -19,7 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.fast.engine.graphs import GraphKey, TargetGraphs, batch_view
+from dflash2.fast.engine.graph_step import TargetGraphs
+from dflash2.fast.engine.step_buffers import GraphKey, batch_view
 from dflash2.fast.llm import LLM, SamplingParams
 from dflash2.reference.runner import ReferenceRunner
 from dflash2.reference.tiny.draft import write_tiny_draft
@@ -75,7 +76,7 @@ def test_replay_equals_eager_on_the_same_padded_batch(stack, dtype):
             t.copy_(saved)
         step = graphs.graphs[key]
         assert len(step.graphs) > 1, "the capture was not cut between layer groups (fast/model/capture.py)"
-        eager = target.forward(batch_view(step.inputs.views, key, step.tokens), pools)
+        eager = target.forward(batch_view(step.inputs.device, key, step.inputs.device.tokens), pools)
         m, n = logits_rows.numel(), 3 * rows
         for what, a, b in (("logits", replayed[0], eager.logits[:m]), ("hidden", replayed[1], eager.hidden[:n]),
                            ("taps", replayed[2], eager.taps[:n])):
@@ -123,7 +124,7 @@ def test_graph_engine_gives_the_eager_engines_tokens(stack, algorithm):
     assert replayed, f"{name} {algorithm}: no step was replayed from a CUDA graph"
     assert all(len(step.graphs) > 1 for step in replayed.values()), "a capture was not cut into several graphs"
     if algorithm == "dflash":  # steady steps found their early fields advanced on the device (StepGraphs)
-        assert runner.step_graphs.early_reuses + runner.step_graphs.ahead_used > 0, \
+        assert runner.step_graphs.field_reuses + runner.step_graphs.ahead.used > 0, \
             f"{name}: no step reused its early fields"
     eager = LLM(target_dir, enforce_eager=True, **kwargs).generate(prompts, params)
     runner = None  # the reference, to judge a divergence
@@ -151,9 +152,9 @@ def test_proposals_launched_ahead_give_the_same_tokens(stack):
     outputs = {}
     for mode in ("ahead", "no ahead"):
         llm = LLM(target_dir, **kwargs)
-        llm.engine.runner.step_graphs.propose_ahead = mode == "ahead"
+        llm.engine.runner.step_graphs.ahead.enabled = mode == "ahead"
         outputs[mode] = [out.token_ids for out in llm.generate(prompts, params)]
         if mode == "ahead":
             graphs = llm.engine.runner.step_graphs
-            assert graphs.ahead_used > 0, f"{name}: no step used a proposal launched ahead"
+            assert graphs.ahead.used > 0, f"{name}: no step used a proposal launched ahead"
     assert outputs["ahead"] == outputs["no ahead"], f"{name}: proposals ahead changed the tokens"

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (fast/kernels/common/pdl.py) for the draft's own Triton kernels.
 
-1. Off where it cannot run: on the CPU, under Triton's interpreter, and with ``DFLASH2_PDL=0``; then the
+1. Off where it cannot run: on the CPU, under Triton's interpreter, and when the launch settings say so; then the
    launch options are empty (so nothing reaches the interpreter's launcher).
 2. The rule, statically: every Triton kernel under fast/kernels/ with a ``PDL`` parameter starts (after
    its docstring) with ``if PDL: gdc_wait(); gdc_launch_dependents()``, before any load or store.
@@ -29,7 +29,7 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "fast" / "kernels"
 
 @pytest.fixture
 def fresh_cache():
-    """pdl's per-device cache emptied around a test that changes the environment it read."""
+    """pdl's per-device cache emptied around a test that changes what it read."""
     pdl._supported.cache_clear()
     yield
     pdl._supported.cache_clear()
@@ -41,15 +41,16 @@ def test_off_on_the_cpu():
     assert pdl.launch_options("cpu") == {}
 
 
-def test_off_with_the_env_var(monkeypatch):
-    monkeypatch.setenv("DFLASH2_PDL", "0")  # read before the device is looked at: no CUDA needed
-    assert not pdl.pdl_enabled(torch.device("cuda", 0))
-    assert pdl.launch_options(torch.device("cuda", 0)) == {}
+def test_off_when_the_settings_say_so():
+    with pdl.launch_settings(pdl=False, l2_prefetch=False):  # read before the device is looked at: no CUDA needed
+        assert not pdl.pdl_enabled(torch.device("cuda", 0))
+        assert not pdl.l2_prefetch_enabled(torch.device("cuda", 0))
+        assert pdl.launch_options(torch.device("cuda", 0)) == {}
+    assert pdl.SETTINGS == pdl.LaunchSettings()  # restored
 
 
 def test_off_under_the_interpreter(monkeypatch, fresh_cache):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.delenv("DFLASH2_PDL", raising=False)
+    monkeypatch.setattr(pdl, "INTERPRETED", True)
     assert not pdl.pdl_enabled(torch.device("cuda", 0))
     assert pdl.launch_options(torch.device("cuda", 0)) == {}
 
@@ -135,19 +136,19 @@ def test_the_early_rule_check_catches_a_store_before_the_wait(tmp_path):
 
 
 def _replays_equal_eager_with_and_without_pdl(monkeypatch, device, chain, after_replay=None) -> None:
-    """For DFLASH2_PDL = 1, then 0: ``chain()`` (a list of output tensors) eagerly, then captured in a CUDA graph
+    """For PDL on, then off (``pdl.launch_settings``): ``chain()`` (a list of output tensors) eagerly, then captured in a CUDA graph
     whose outputs are poisoned (NaN, or -1 for integers) before each of four replays; every replay must equal
     the eager outputs bit for bit (``after_replay(setting, replay)`` may check more), and the two settings
     must give the same bits."""
     results = {}
     for setting in ("1", "0"):
-        monkeypatch.setenv("DFLASH2_PDL", setting)
-        assert pdl.pdl_enabled(device) == (setting == "1")
-        eager = [t.clone() for t in chain()]  # compiles this setting's variants outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = chain()
+        with pdl.launch_settings(pdl=setting == "1"):
+            assert pdl.pdl_enabled(device) == (setting == "1")
+            eager = [t.clone() for t in chain()]  # compiles this setting's variants outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = chain()
         for replay in range(4):
             for t in captured:
                 t.fill_(float("nan") if t.dtype.is_floating_point else -1)

@@ -1,4 +1,4 @@
-"""The side stream (fast/engine/side_stream.py) inside CUDA-graph captures, on a GPU.
+"""The side stream (fast/model/side_stream.py) inside CUDA-graph captures, on a GPU.
 
 EXACT: split-K ``skinny_linear`` calls (ticket counters) on the side stream beside split-K calls on the
 capture's own stream, forked, cut into a second graph (the cut joins the fork first) and joined: every
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.fast.engine.side_stream import SIDE_LANE, SideStream
+from dflash2.fast.model.side_stream import SIDE_LANE, SideStream
 from dflash2.fast.kernels.common import tickets
 from dflash2.fast.kernels.dense.skinny_linear import SkinnyConfig, skinny_linear_triton
 from dflash2.fast.model import capture

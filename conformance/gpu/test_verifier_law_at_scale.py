@@ -2,10 +2,10 @@
 
 The toy of conformance/distribution/test_fast_verifier_law.py (V = 6, k = 2 drafts, sparse q rows
 of K = 3 candidates, q different from p), run not on the kernels but through what the engine calls:
-``fast/engine/sampler.verify_ragged`` on logits shaped as the runner passes them ``[B, k+1, V]``, with
+``fast/speculative/verify.verify_ragged`` on logits shaped as the runner passes them ``[B, k+1, V]``, with
 ``SamplingTensors`` carrying a ``HostSummary`` (which launches the filter may skip), and once through a
 CUDA graph of that call captured on static buffers and replayed with new seeds and drafts each chunk,
-as ``ModelRunner.verify_step_fn`` runs inside the step graph (``graph_summary``: max_top_k rounded up,
+as the captured speculative step runs it (``StepGraphs``) (``graph_summary``: max_top_k rounded up,
 greedy padding requests in the batch).
 
 With p_i the filtered target distribution of row i (the reference's ``target_probs``: temperature,
@@ -51,8 +51,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from dflash2.fast.engine.runner import graph_summary
-from dflash2.fast.engine.sampler import verify_ragged
+from dflash2.fast.engine.graph_step import graph_summary
+from dflash2.fast.speculative.proposer import DraftProposal
+from dflash2.fast.speculative.verify import verify_ragged
 from dflash2.fast.kernels.sampling.philox import seeds_tensor
 from dflash2.fast.kernels.sampling.sampler import HostSummary, SamplingTensors
 from dflash2.reference.request.sampling_params import SamplingParams
@@ -241,7 +242,8 @@ def eager_verifier(case: Case, batch: int, device, misreport: bool = False) -> V
 
     def run(drafts: Tensor, seeds: Tensor, n: int):
         st = SamplingTensors(temperature[:n], top_k[:n], top_p[:n], seeds, summary)
-        out = verify_ragged(logits[:n], drafts, cand_ids[:n], draft_probs[:n], [DRAFTS] * n, st, anchors[:n])
+        out = verify_ragged(logits[:n], DraftProposal(drafts, cand_ids[:n], draft_probs[:n]), [DRAFTS] * n, st,
+                            anchors[:n])
         return out.num_accepted, out.emitted
 
     return run
@@ -258,7 +260,7 @@ def graphed_verifier(case: Case, batch: int, device) -> Verifier:
     st = SamplingTensors(temperature, top_k, top_p, seeds, summary)
 
     def call():
-        out = verify_ragged(logits, drafts, cand_ids, draft_probs, [DRAFTS] * batch, st, anchors)
+        out = verify_ragged(logits, DraftProposal(drafts, cand_ids, draft_probs), [DRAFTS] * batch, st, anchors)
         return out.num_accepted, out.emitted
 
     side = torch.cuda.Stream()

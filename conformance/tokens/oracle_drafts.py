@@ -1,6 +1,6 @@
 """A drafting method that peeks at the target, so verify steps accept, reject, correct and add bonus
 tokens at many places (random tiny drafts accept almost nothing). Two faces of one oracle:
-``PeekingProposer`` for the reference loop and ``PeekingDrafter`` for the fast engine's runner; both
+``PeekingProposer`` for the reference loop and ``PeekingDrafter`` for the fast engine; both
 draft the same tokens with the same q for the same committed prefix.
 
 For slot i = 1..k after the prefix (anchor at s): p = softmax(target logits) at temperature 1,
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash2.fast.speculative.proposal import DraftProposal
+from dflash2.fast.speculative.proposer import DraftProposal
 from dflash2.reference.speculative.proposer import Proposal, Proposer
 from dflash2.reference.request.rng import Purpose, uniform
 from dflash2.reference.speculative.sampling import sample_from_probs
@@ -60,7 +60,11 @@ class PeekingProposer(Proposer):
 
 
 class PeekingDrafter:
-    """The runner's Proposer interface; remembers each slot's committed tokens from what it observes."""
+    """The fast engine's Proposer protocol (fast/speculative/proposer.py), implemented directly; remembers each
+    slot's committed tokens from what it observes."""
+
+    reads_block_tables = False
+    observes_taps_only = False
 
     def __init__(self, target: ReferenceTarget):
         self.target = target
@@ -75,6 +79,9 @@ class PeekingDrafter:
             history = self.history.setdefault(slot, [])
             del history[positions[cu[b]]:]
             history += tokens[cu[b]:cu[b] + kept[b]]
+
+    def slot_states(self) -> tuple:
+        return ()
 
     def propose(self, anchor_tokens, anchor_positions, slots, block_tables, k, st) -> DraftProposal:
         out = []

@@ -42,6 +42,11 @@ class EngineConfig:
     seed: int = 0  # seeds torch's global generator at startup; every sampling draw is keyed by the request's seed
     load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights (timing only)
     enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying captured CUDA graphs
+    # the speed switches below are all on by default; each off gives the same tokens (A/B timing, debugging)
+    side_stream: bool = True  # CUDA: a verify step's DFlash observe on a second stream beside the step
+    propose_ahead: bool = True  # CUDA: a steady DFlash step launches the next step's proposal before it returns
+    pdl: bool = True  # Hopper+: the draft's and the MoE's kernels launch with programmatic dependent launch
+    l2_prefetch: bool = True  # Hopper+: tuned GEMMs prefetch their weight slice into L2 before their PDL wait
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):
@@ -88,7 +93,8 @@ class EngineConfig:
                "an integer in [0, 2^63)")
         expect(self.load_format in LOAD_FORMATS, ConfigError, "load_format", self.load_format,
                f"one of {LOAD_FORMATS}")
-        expect(isinstance(self.enforce_eager, bool), ConfigError, "enforce_eager", self.enforce_eager, "a bool")
+        for name in ("enforce_eager", "side_stream", "propose_ahead", "pdl", "l2_prefetch"):
+            expect(isinstance(getattr(self, name), bool), ConfigError, name, getattr(self, name), "a bool")
 
     def resolved(self) -> EngineConfig:
         """This config with ``device`` and ``dtype`` ``auto`` resolved for this machine."""
@@ -116,7 +122,8 @@ def _field(name: str):
 
 # flags of ``ft generate`` that fill EngineConfig fields (model_path is --model, the spec flags are shared)
 ENGINE_FLAGS = ("dtype", "device", "max_running_req", "max_num_batched_tokens", "page_size", "memory_ratio",
-                "cpu_cache_bytes", "max_model_len", "load_format", "enforce_eager")
+                "cpu_cache_bytes", "max_model_len", "load_format", "enforce_eager", "side_stream", "propose_ahead", "pdl",
+                "l2_prefetch")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -126,8 +133,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for name in ENGINE_FLAGS:
         default = _field(name).default
         flag = "--" + name.replace("_", "-")
-        if isinstance(default, bool):
-            parser.add_argument(flag, action="store_true", help=f"fast engine (default: {default})")
+        if isinstance(default, bool):  # --enforce-eager; --side-stream / --no-side-stream, ...
+            action = argparse.BooleanOptionalAction if default else "store_true"
+            parser.add_argument(flag, action=action, default=default, help=f"fast engine (default: {default})")
             continue
         parser.add_argument(flag, type=types.get(name, int), default=default, choices=choices.get(name),
                             help=f"fast engine (default: {default})")

@@ -36,7 +36,8 @@ from dflash2.reference.request.stopping import Stopper
 from dflash2.reference.request.trace import StepRecord
 
 from .config import EngineConfig
-from .graphs import TargetGraphs
+from ..speculative.step import SpeculativeStep
+from .graph_step import TargetGraphs
 from .logprobs import TokenLogprob
 from .runner import ModelRunner
 from .scheduler import PrefillPlan, Req, ReqStatus, Scheduler, pages_for
@@ -93,7 +94,7 @@ class PoolUsage:
     reserved_pages: int  # of those, promised to admitted requests
     total_slots: int  # GDN state slots (one per running request)
     free_slots: int
-    total_ring_slots: int  # DFlash K/V ring slots (the same index as the GDN slot; 0 without a DFlash draft)
+    total_ring_slots: int  # the proposer's per-slot states' slots (DFlash: ring and window; 0: none kept)
     free_ring_slots: int
     running: int
     waiting: int
@@ -117,8 +118,13 @@ class Engine:
         if not cfg.enforce_eager and self.model.target.capturable():
             graphs = TargetGraphs(self.model.target, self.model.pools, max_seqs=cfg.max_running_req,
                                   max_pages=pages_for(self.model.max_model_len, cfg.page_size))
-        self.runner = ModelRunner(self.model.target, self.model.pools, self.model.proposer, page_size=cfg.page_size,
-                                  device=self.model.pools.device, trace=trace, graphs=graphs)
+        spec = None
+        if self.model.proposer is not None:
+            spec = SpeculativeStep(self.model.target, self.model.pools, self.model.proposer,
+                                   side_stream=cfg.side_stream)
+        self.runner = ModelRunner(self.model.target, self.model.pools, spec, page_size=cfg.page_size,
+                                  device=self.model.pools.device, trace=trace, graphs=graphs,
+                                  propose_ahead=cfg.propose_ahead)
         self.stop_ids = frozenset(self.model.stop_token_ids)
         self._ids = itertools.count()  # thread-safe: a server validates requests beside the engine thread
         self.scheduler = self.new_scheduler()
@@ -291,8 +297,9 @@ class Engine:
         pages = sched.pages
         free_pages = list(pages.free_pages)
         held_slots = [r.slot for r in sched.running]
-        ring = getattr(getattr(self.model.proposer, "proposer", None), "ring", None)
-        ring_slots = ring.num_slots if ring is not None else 0
+        proposer = self.model.proposer
+        states = proposer.slot_states() if proposer is not None else ()
+        ring_slots = max((state.num_slots for state in states), default=0)
         held_rings = len({s for s in held_slots if s < ring_slots})
         usage = PoolUsage(pages.num_pages, len(free_pages), pages.reserved, sched.max_running_req,
                           len(sched.free_slots), ring_slots, ring_slots - held_rings, len(sched.running),

@@ -22,7 +22,7 @@ import torch
 from dflash2.reference.formats.draft_config import DraftConfig
 from dflash2.reference.formats.errors import ConfigError
 
-from ..speculative.ring_pool import RingPool, WindowPool
+from ..speculative.ring import RingPool, WindowPool
 from .config import EngineConfig
 from .scheduler import pages_for
 
@@ -52,7 +52,7 @@ class MemoryPlan:
 
 
 def dflash_slot_bytes(cfg: DraftConfig, dtype: torch.dtype) -> tuple[int, int]:
-    """(K/V ring, dflash_window) bytes of one request, as ``fast/speculative/ring_pool.py`` allocates them."""
+    """(K/V ring, dflash_window) bytes of one request, as ``fast/speculative/ring.py`` allocates them."""
     ring = RingPool.bytes_per_slot(cfg.sliding_window, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                    cfg.head_dim, dtype)
     return ring, WindowPool.bytes_per_slot(cfg.sliding_window, cfg.hidden_size, dtype)

@@ -22,6 +22,7 @@ from dflash2.reference.formats.errors import ConfigError, expect
 from dflash2.reference.formats.tokenizer import check_tokenizer_fits, eos_token_ids, has_tokenizer, load_tokenizer
 from dflash2.reference.tiny.dummy import DUMMY_LOAD_FORMAT, dummy_draft_weights, dummy_target_weights
 
+from ..kernels.common.pdl import LaunchSettings, configure
 from ..model.draft import FastDraft
 from ..model.mtp import FastMTP
 from ..model.pools import CachePools, gdn_bytes_per_slot, kv_bytes_per_token, verify_bytes_per_seq
@@ -30,7 +31,7 @@ from ..speculative.dflash import FastDFlashProposer
 from ..speculative.mtp import FastMTPProposer
 from .config import EngineConfig
 from .memory import MemoryPlan, cache_budget_bytes, dflash_slot_bytes, dflash_workspace_bytes, log_plan, plan_memory
-from .runner import DFlashDrafter, MTPDrafter, Proposer
+from ..speculative.proposer import Proposer
 
 logger = logging.getLogger("dflash2.fast.engine")
 DEFAULT_MTP_STEPS = 3  # as reference/runner.py
@@ -53,6 +54,7 @@ class LoadedModel:
 def load_model(config: EngineConfig) -> LoadedModel:
     cfg = config.resolved()
     torch.manual_seed(cfg.seed)
+    configure(LaunchSettings(pdl=cfg.pdl, l2_prefetch=cfg.l2_prefetch))  # before any kernel is launched
     device, dtype = torch.device(cfg.device), cfg.torch_dtype
     dummy = cfg.load_format == DUMMY_LOAD_FORMAT
     if dummy:  # the config is validated as for a real checkpoint; the tensors are drawn on the device
@@ -110,8 +112,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
                        mtp=use_mtp)
     proposer = None
     if draft is not None:
-        proposer = DFlashDrafter(FastDFlashProposer(draft, num_slots))
+        proposer = FastDFlashProposer(draft, num_slots)
     elif mtp is not None:
-        proposer = MTPDrafter(FastMTPProposer(mtp, pools))
+        proposer = FastMTPProposer(mtp, pools)
     return LoadedModel(cfg, target_cfg, target, pools, proposer, num_steps, max_model_len, plan, tokenizer,
                        stop_token_ids)

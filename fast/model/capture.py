@@ -6,7 +6,7 @@ and the step's wall time exceeded its GPU time by about that much (scripts/diag/
 bench/results/2026-12-01-h200-perf2/). A step captured as S graphs replayed back to back pays only
 the first graph's launch before the GPU starts: while the GPU runs graph i, the host launches
 graph i + 1. The graphs share one memory pool and replay in capture order, so a tensor made in one
-and read in the next is what it was in the single graph (``fast/engine/graphs.CapturedStep``).
+and read in the next is what it was in the single graph (``fast/engine/graph_step.CapturedStep``).
 
 The first graphs are kept short (:func:`layer_cuts`): the GPU idles until the first launch
 returns, and the longer graphs behind it launch while it runs.
@@ -14,7 +14,7 @@ returns, and the longer graphs behind it launch while it runs.
 The model marks where a cut may go (:func:`graph_cut`, e.g. between layers); only a capture that
 installs a cutter (:func:`cutting`) acts on it. Eager steps and CPU runs see a no-op.
 
-Work forked onto a side stream (``fast/engine/side_stream.py``) must be joined inside the graph it
+Work forked onto a side stream (``fast/model/side_stream.py``) must be joined inside the graph it
 began in: a fork registers its join with :func:`join_before_cut`, and the next cut of a capture runs
 it first. Outside a capture the join is the forker's.
 """

@@ -27,13 +27,13 @@ over all N rows does not: BLAS picks kernels (gemv, split-K) by N, seen on the C
 an H200 (cuBLAS, where a strided-batched bmm over the tiles also varied with the tile count).
 
 Block-side kernels (each a Triton kernel on CUDA and its torch twin elsewhere, dispatched by
-``use_triton``): a conv prepare is ``fast/kernels/dynamic_conv.grouped_dynamic_conv``; each conv
+``use_triton``): a conv prepare is ``fast/kernels/draft/dynamic_conv.grouped_dynamic_conv``; each conv
 finish, its residual add ``x + finish(...)`` and the RMSNorm after it (the post-attention norm, the
-next layer's input norm, the final norm) are one ``fast/kernels/conv_finish_norm.conv_finish_norm``
+next layer's input norm, the final norm) are one ``fast/kernels/draft/conv_finish_norm.conv_finish_norm``
 (the stored weight as the norm's scale), and the first layer's input norm ``norm.add_rms_norm``; q/k
 norms and RoPE are one ``rope.draft_qk_norm_rope`` with cos/sin computed once per ``forward_blocks``
 (every layer, q and k, share the positions); the window attention is
-``fast/kernels/ring_attention.ring_attention`` (split-window on CUDA), reading each layer's ring
+``fast/kernels/draft/ring_attention.ring_attention`` (split-window on CUDA), reading each layer's ring
 ``RingPool.k[layer]``, ``RingPool.v[layer]`` in place.
 
 The GEMMs are 2-D ones over the B*S rows, per layer: the two conv kernel projections
@@ -43,7 +43,7 @@ matrix, so its batch-invariant GEMM and its bits are unchanged; about 2*Hkv*D*C 
 layer), read by the prologue and the attention as head views; o_proj; gate and up as one over
 ``gate_up[layer]`` ``[2I, C]`` with ``silu(gate) * up`` as its epilogue (fp32, rounded once to the
 draft dtype; the torch form is ``mlp.swiglu_act_torch`` of the GEMM's output); down. Every layer GEMM
-and the context side's fc go through ``fast/kernels/skinny_linear.skinny_linear``: its Triton kernel
+and the context side's fc go through ``fast/kernels/dense/skinny_linear.skinny_linear``: its Triton kernel
 (some configs prefetching their weight into L2 under the previous kernel) where the H200 sweep measured
 it faster than cuBLAS at that shape and row count, cuBLAS otherwise (the 27B draft's q|k|v and o, the
 35B-A3B draft's q|k|v past 8 rows). The LM head stays in cuBLAS (it streams its 1 GB at the floor). The
@@ -75,7 +75,7 @@ from ..kernels.dense.skinny_linear import skinny_linear
 from .capture import graph_cut, layer_cuts
 
 if TYPE_CHECKING:
-    from dflash2.fast.speculative.ring_pool import RingPool
+    from dflash2.fast.speculative.ring import RingPool
 
 K_TILE_ROWS = 256  # rows per fixed-shape GEMM; each tile reads the whole projection weight once
 # On the CPU a verify step observes k+1 rows: a 256-row tile would multiply ~30x more padding than
@@ -184,7 +184,7 @@ class FastDraft:
 
         rows: ``[N, C]`` at absolute ``positions [N]``. Returns k, v, each contiguous ``[L, N, Hkv, D]``.
         After the batch-invariant GEMM, k_norm, RoPE and the ``[L, N]`` layout are one per-row kernel on
-        CUDA (``fast/kernels/context_kv.context_k_norm_rope``, batch invariant too).
+        CUDA (``fast/kernels/draft/context_kv.context_k_norm_rope``, batch invariant too).
         """
         cfg = self.cfg
         n, num_layers, hkv, d = rows.shape[0], cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim

@@ -76,7 +76,7 @@ class FastTarget:
 
         ``on_taps``, if given, is called with the taps ``[N, len(tap_layers) * C]`` once the last tapped
         layer has written them, before the layers after it run (a verify step forks its observe there,
-        ``fast/engine/side_stream.py``); the same tensor is the output's ``taps``."""
+        ``fast/model/side_stream.py``); the same tensor is the output's ``taps``."""
         if on_taps is not None and not self.tap_layers:
             raise ValueError("on_taps given to a target with no tap_layers: it would never be called")
         meta = StepMeta.build(batch, pools)

@@ -20,7 +20,11 @@ j ~ q_i = softmax(sigma_i / T) by inverting the CDF in candidate order with
 u_i = uniform(seed, s, SELECTOR, i): the smallest j with cumsum(q_i)[j] > u_i * sum(q_i) (fp64),
 never a candidate with q = 0. Greedy and sampled requests share a batch.
 
-The walk is ``fast/kernels/selector.select`` (Triton on CUDA, its torch twin elsewhere).
+The walk is ``fast/kernels/draft/selector.select`` (Triton on CUDA, its torch twin elsewhere).
+
+Under the :class:`~.proposer.Proposer` protocol: ``observe`` reads the taps alone (``observes_taps_only``,
+so a captured verify step runs it beside the rest of the step) and ``propose`` reads no block table
+(``reads_block_tables`` False: the draft attends over its own ring).
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ import torch
 from torch import Tensor
 
 from ..kernels.draft.selector import select
+from ..kernels.sampling.sampler import SamplingTensors
 from ..model.batch import PAD_SLOT, ForwardBatch
 from ..model.draft import FastDraft
-from .proposal import DraftProposal
-from .ring_pool import RING_MARGIN, RingPool, WindowPool
+from ..model.target import FastOutput
+from .proposer import DraftProposal
+from .ring import RING_MARGIN, RingPool, WindowPool
 
 
 class FastDFlashProposer:
@@ -41,6 +47,9 @@ class FastDFlashProposer:
     ``num_slots``: the target's GDN state slots (the ring and the window are indexed by the same
     ``state_slots``). ``poison=True`` fills fresh rings and windows with NaN (tests).
     """
+
+    reads_block_tables = False  # the draft attends over its own ring, not the target's pages
+    observes_taps_only = True
 
     def __init__(self, draft: FastDraft, num_slots: int, *, margin: int = RING_MARGIN, poison: bool = False):
         cfg = draft.cfg
@@ -59,7 +68,11 @@ class FastDFlashProposer:
 
     # -- after every target forward ---------------------------------------------------------------
 
-    def observe(self, slots: Tensor, positions: Tensor, features: Tensor) -> None:
+    def observe(self, batch: ForwardBatch, out: FastOutput, num_committed: Tensor | None) -> None:
+        """Every row of a target step, acceptance unknown (rejected rows are never read)."""
+        self.observe_taps(batch, out.taps)
+
+    def observe_rows(self, slots: Tensor, positions: Tensor, features: Tensor) -> None:
         """Context rows and ring K/V of N target rows of many requests (verify rows before acceptance).
 
         slots: ``[N]`` long, each row's GDN state slot (PAD_SLOT: a padding row, writes nothing);
@@ -71,21 +84,30 @@ class FastDFlashProposer:
         k, v = self.draft.context_kv(rows, positions)  # [L, N, Hkv, D] each
         self.ring.write(slots, positions, k, v)
 
-    def observe_batch(self, batch: ForwardBatch, features: Tensor) -> None:
-        """:meth:`observe` for every row of a target step; padding rows and sequences write nothing."""
+    def observe_taps(self, batch: ForwardBatch, taps: Tensor) -> None:
+        """:meth:`observe_rows` for every row of a target step; padding rows and sequences write nothing."""
         slots = batch.state_slots[batch.seq_index()]
         slots = torch.where(batch.kv_slot_mapping == PAD_SLOT, PAD_SLOT, slots)
-        self.observe(slots, batch.positions, features)
+        self.observe_rows(slots, batch.positions, taps)
 
     # -- before every verify ----------------------------------------------------------------------
 
-    def propose(self, anchor_tokens: Tensor, anchor_positions: Tensor, slots: Tensor, k: int, greedy: Tensor,
-                temperatures: Tensor, seeds: Tensor, all_greedy: bool = False) -> DraftProposal:
+    def propose(self, anchor_tokens: Tensor, anchor_positions: Tensor, slots: Tensor, block_tables: Tensor | None,
+                k: int, st: SamplingTensors) -> DraftProposal:
+        """The protocol's propose: :meth:`propose_drafts` with the requests' sampling tensors (no block table read)."""
+        return self.propose_drafts(anchor_tokens, anchor_positions, slots, k, st.greedy, st.temperature, st.seeds,
+                                   all_greedy=st.all_greedy)
+
+    def slot_states(self) -> tuple[RingPool, WindowPool]:
+        return self.ring, self.window
+
+    def propose_drafts(self, anchor_tokens: Tensor, anchor_positions: Tensor, slots: Tensor, k: int, greedy: Tensor,
+                       temperatures: Tensor, seeds: Tensor, all_greedy: bool = False) -> DraftProposal:
         """k drafts for each of B requests: anchor t0 (committed, not yet run through the target) at s.
 
         anchor_tokens, anchor_positions, slots: ``[B]`` long; greedy: ``[B]`` bool; temperatures:
         ``[B]`` float (> 0 where not greedy); seeds: ``[B]`` int64 (uint64 bit patterns, see
-        ``fast/kernels/philox.seeds_tensor``). k: 1 .. block_size - 1, the same for the batch.
+        ``fast/kernels/sampling/philox.seeds_tensor``). k: 1 .. block_size - 1, the same for the batch.
         ``all_greedy``: the host knows every request is greedy (the torch walk then draws nothing).
         """
         if not 1 <= k <= self.cfg.block_size - 1:

@@ -26,10 +26,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.sampling.sampler import SamplingTensors
 from ..model.batch import PAD_SLOT, ForwardBatch
 from ..model.mtp import FastMTP
 from ..model.pools import CachePools
-from .proposal import DraftProposal
+from ..model.target import FastOutput
+from .proposer import DraftProposal
 
 
 def kv_slots_of(block_tables: Tensor, positions: Tensor, page_size: int) -> Tensor:
@@ -40,7 +42,15 @@ def kv_slots_of(block_tables: Tensor, positions: Tensor, page_size: int) -> Tens
 
 
 class FastMTPProposer:
-    """Chained argmax drafts of the target's MTP head for every request at once (see the module docstring)."""
+    """Chained argmax drafts of the target's MTP head for every request at once (see the module docstring).
+
+    Under the :class:`~.proposer.Proposer` protocol: ``observe`` reads the final hidden rows and the committed
+    counts (not the taps alone), and ``propose`` reads the block tables (the MTP layer attends over paged K/V).
+    Its per-slot state, the pending hidden row, is one row a slot; it declares no slot state to move.
+    """
+
+    reads_block_tables = True
+    observes_taps_only = False
 
     def __init__(self, mtp: FastMTP, pools: CachePools):
         if pools.mtp is None:
@@ -49,9 +59,16 @@ class FastMTPProposer:
         # the target hidden of each slot's last committed row (+ a trash row for padding sequences)
         self.pending = torch.zeros((pools.num_slots + 1, mtp.cfg.hidden_size), dtype=mtp.dtype, device=pools.device)
 
-    def observe(self, batch: ForwardBatch, target_hidden: Tensor, num_committed: Tensor | None) -> None:
-        """The target ran ``batch`` (``target_hidden [N, C]``, after its final norm); the first
-        ``num_committed[b]`` rows of sequence b are committed (None: all, a prefill chunk)."""
+    def observe(self, batch: ForwardBatch, out: FastOutput, num_committed: Tensor | None) -> None:
+        """The target ran ``batch``; the first ``num_committed[b]`` rows of sequence b are committed (None: all, a
+        prefill chunk). Reads ``out.hidden [N, C]``, the rows after the final norm."""
+        self.observe_hidden(batch, out.hidden, num_committed)
+
+    def slot_states(self) -> tuple:
+        return ()
+
+    def observe_hidden(self, batch: ForwardBatch, target_hidden: Tensor, num_committed: Tensor | None) -> None:
+        """:meth:`observe` from ``target_hidden [N, C]``."""
         rows = torch.arange(batch.token_ids.shape[0], device=target_hidden.device)
         seq = batch.seq_index()  # [N]
         first_rows = batch.cu_seqlens[:-1].long()  # [B]
@@ -74,10 +91,11 @@ class FastMTPProposer:
         kept = batch.seq_lens if num_committed is None else num_committed.to(first_rows.device).long()
         self.pending[slot_rows] = target_hidden[first_rows + kept - 1].to(self.pending.dtype)
 
-    def propose(self, anchor_tokens: Tensor, anchor_positions: Tensor, slots: Tensor, k: int,
-                block_tables: Tensor) -> DraftProposal:
+    def propose(self, anchor_tokens: Tensor, anchor_positions: Tensor, slots: Tensor, block_tables: Tensor | None,
+                k: int, st: SamplingTensors) -> DraftProposal:
         """k chained argmax drafts per request: anchor t0 at s, GDN slot ``slots[b]``, the request's
-        ``block_tables [B, P]`` (pages for positions up to s+k-2 at least). q is one-hot, K = 1."""
+        ``block_tables [B, P]`` (pages for positions up to s+k-2 at least). q is one-hot, K = 1; the drafts are
+        argmax whatever the sampling (``st`` is unused: the verify's sparse-q rejection keeps the target's law)."""
         num_seqs = anchor_tokens.shape[0]
         device = anchor_tokens.device
         hidden = self.pending[self.pools.state_index(slots)]  # h_{s-1}

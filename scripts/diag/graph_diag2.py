@@ -2,9 +2,10 @@
 import sys, os
 import torch
 sys.path.insert(0, os.path.join(os.getcwd(), "conformance/gpu"))
-from dflash2.fast.engine.sampler import verify_ragged
+from dflash2.fast.speculative.proposer import DraftProposal
+from dflash2.fast.speculative.verify import verify_ragged
 from dflash2.fast.kernels.sampling.sampler import SamplingTensors
-from dflash2.fast.engine.runner import graph_summary
+from dflash2.fast.engine.graph_step import graph_summary
 from dflash2.reference.request.sampling_params import SamplingParams
 import test_verifier_law_at_scale as law
 
@@ -27,7 +28,7 @@ for batch in (64, law.CHUNK):
         drafts[:real] = new_drafts
         seeds[:real] = new_seeds
         st = SamplingTensors(temperature, top_k, top_p, seeds, summary)
-        out = verify_ragged(logits, drafts, cand_ids, draft_probs, [law.DRAFTS] * batch, st, anchors)
+        out = verify_ragged(logits, DraftProposal(drafts, cand_ids, draft_probs), [law.DRAFTS] * batch, st, anchors)
         a_e, e_e = out.num_accepted[:real], out.emitted[:real]
         bad = (a_e != a_g) | (e_e != e_g).any(1)
         tally_g, tally_e = law.Tally(dev), law.Tally(dev)

@@ -29,7 +29,8 @@ import tempfile
 import torch
 
 from dflash2.bench.measure import capture_graph, cuda_time
-from dflash2.bench.run import SETTINGS, SimulatedAcceptance
+from dflash2.bench.run import SETTINGS
+from dflash2.bench.simulated import SimulatedAcceptance, SimulatedVerifier
 from dflash2.fast.kernels.sampling.sampler import SamplingTensors
 from dflash2.fast.llm import LLM
 from dflash2.reference.request.sampling_params import SamplingParams
@@ -77,7 +78,7 @@ def side_stream_ab(llm, prompt: list[int], key, step_on, rounds: int) -> dict:
     """The captured step ``step_on`` (side stream on) against the same step captured with it off, replayed
     in interleaved rounds; prints and returns each variant's per-round medians (us)."""
     runner = llm.engine.runner
-    runner.side.stream = None  # fork then runs the observe in the step's own stream, where it forks
+    runner.spec.side.stream = None  # fork then runs the observe in the step's own stream, where it forks
     runner.step_graphs.graphs.clear()
     llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     step_off = runner.step_graphs.graphs.get(key)
@@ -95,7 +96,7 @@ def side_stream_ab(llm, prompt: list[int], key, step_on, rounds: int) -> dict:
 
 
 def ahead_ab(llm, prompt: list[int], tokens: int, rounds: int) -> dict:
-    """The engine's verify step with proposals launched ahead, with the early fields' reuse alone, and with
+    """The engine's verify step with proposals launched ahead, with the proposal fields' reuse alone, and with
     neither (``StepGraphs``), in interleaved rounds of one ``tokens``-token generate each: per round, the
     median of ``runner.verify``'s wall time (what ``ft bench`` reports as the step) and the wall from the first
     verify step's start to the last one's end per step (the engine's own host time between steps too; the
@@ -114,23 +115,23 @@ def ahead_ab(llm, prompt: list[int], tokens: int, rounds: int) -> dict:
         spans.append((start, end))
         return out
     runner.verify = timed
-    variants = {"ahead": (True, True), "early fields only": (False, True), "neither": (False, False)}
+    variants = {"ahead": (True, True), "proposal fields only": (False, True), "neither": (False, False)}
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     steps = {name: [] for name in variants}
     per_step = {name: [] for name in variants}
     used = {name: 0 for name in variants}
     for _ in range(rounds):
         for name, (ahead, reuse) in variants.items():
-            graphs.propose_ahead, graphs.reuse_early_fields = ahead, reuse
+            graphs.ahead.enabled, graphs.reuse_proposal_fields = ahead, reuse
             walls.clear()
             spans.clear()
-            before = graphs.ahead_used
+            before = graphs.ahead.used
             llm.generate([prompt], params)
-            used[name] += graphs.ahead_used - before
+            used[name] += graphs.ahead.used - before
             steps[name].append(1e6 * sorted(walls)[len(walls) // 2])
             per_step[name].append(1e6 * (spans[-1][1] - spans[0][0]) / len(spans))
     runner.verify = verify
-    graphs.propose_ahead, graphs.reuse_early_fields = True, True
+    graphs.ahead.enabled, graphs.reuse_proposal_fields = True, True
     print(f"\n== proposal ahead A/B, {rounds} interleaved rounds of a {tokens}-token generate (us)")
     for name in variants:
         med = sorted(steps[name])[rounds // 2]
@@ -305,7 +306,7 @@ def main() -> int:
     p.add_argument("--timeline", type=int, default=0, help="also split the steps of a generate of this many tokens")
     p.add_argument("--host-split", type=int, default=0, help="also time the host's parts of such steps")
     p.add_argument("--ab-ahead", type=int, default=0, help="also time the engine's verify step with proposals "
-                   "ahead, early fields only and neither, in this many interleaved rounds")
+                   "ahead, proposal fields only and neither, in this many interleaved rounds")
     p.add_argument("--ab-tokens", type=int, default=128, help="tokens per round of --ab-ahead")
     p.add_argument("--ab-side-stream", type=int, default=0, help="also time the step with the side stream off, "
                    "in this many interleaved rounds")
@@ -315,8 +316,11 @@ def main() -> int:
               speculative_num_steps=k, speculative_draft_model_path=args.draft if algorithm == "dflash" else None,
               max_model_len=args.prompt_len + max(128, args.ab_tokens) + 64)
     runner = llm.engine.runner
-    if algorithm != "none":
-        runner.simulated_accept = SimulatedAcceptance(args.tokens_per_step)
+    if algorithm != "none":  # each verify step keeps the simulated count of drafts (bench/simulated.py)
+        simulated = SimulatedVerifier(runner.spec.verifier, SimulatedAcceptance(args.tokens_per_step), runner.device)
+        runner.spec.verifier = simulated
+        verify = runner.verify
+        runner.verify = lambda plan, *a, **kw: simulated.next_step() or verify(plan, *a, **kw)
     vocab = llm.engine.model.target_cfg.vocab_size
     prompt = torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
@@ -335,7 +339,7 @@ def main() -> int:
         slots = torch.zeros(1, dtype=torch.long, device=device)
         tables = torch.zeros(1, 64, dtype=torch.int32, device=device)
         st = SamplingTensors.from_params([SamplingParams(temperature=0.0)], device=device)
-        graph = capture_graph(lambda: runner.proposer.propose(tokens, anchors, slots, tables, k, st))
+        graph = capture_graph(lambda: runner.spec.proposer.propose(tokens, anchors, slots, tables, k, st))
         results.append(report("draft propose (graph)", graph.replay, args.list))
     if args.host_profile:
         host_profile(llm, prompt, args.host_profile)

@@ -13,7 +13,7 @@ import torch
 from dflash2.fast.engine.config import ENGINE_FLAGS, EngineConfig, add_engine_args, engine_config_from_args
 from dflash2.fast.engine.memory import dflash_slot_bytes, dflash_workspace_bytes, log_plan, plan_memory
 from dflash2.fast.model.pools import CachePools, gdn_bytes_per_slot, kv_bytes_per_token
-from dflash2.fast.speculative.ring_pool import RingPool, WindowPool
+from dflash2.fast.speculative.ring import RingPool, WindowPool
 from dflash2.reference.formats.draft_config import parse_draft_config
 from dflash2.reference.tiny.draft import tiny_draft_config
 from dflash2.reference.formats.errors import ConfigError

@@ -1,14 +1,14 @@
-"""fast/engine/side_stream.py and its two supports: a capture's cut joins an open fork first
+"""fast/model/side_stream.py and its two supports: a capture's cut joins an open fork first
 (fast/model/capture.join_before_cut), and the side stream's kernels draw ticket counters from their own
-lane (fast/kernels/tickets.lane); a captured DFlash step observes from the last tap on (runner)."""
+lane (fast/kernels/common/tickets.lane); a captured DFlash step observes from the last tap on (runner)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dflash2.fast.engine import runner as runner_module
-from dflash2.fast.engine.side_stream import SIDE_LANE, SideStream
+from dflash2.fast.speculative import step as step_module
+from dflash2.fast.model.side_stream import SIDE_LANE, SideStream
 from dflash2.fast.kernels.common import tickets
 from dflash2.fast.model import capture
 
@@ -62,7 +62,7 @@ def test_the_captured_dflash_step_observes_before_the_verify_and_the_commit(tmp_
     """The static step (the CPU runs its function on the static fields) calls ``observe_taps`` from inside
     the target forward, before the verify and the GDN commit; the eager verify step observes last. Both
     give the same tokens (tests/engine/test_static_steps.py holds the static path to the eager one)."""
-    from dflash2.fast.engine.graphs import StepGraphs, TargetGraphs
+    from dflash2.fast.engine.graph_step import StepGraphs, TargetGraphs
     from dflash2.fast.engine.scheduler import pages_for
     from dflash2.fast.llm import LLM, SamplingParams
     from dflash2.reference.tiny.draft import write_tiny_draft
@@ -71,10 +71,9 @@ def test_the_captured_dflash_step_observes_before_the_verify_and_the_commit(tmp_
     target = write_tiny_target(tmp_path / "target", "tiny-dense", tokenizer=None)
     draft = write_tiny_draft(tmp_path / "draft", target)
     events = []
-    for name in ("commit_verify", "verify_ragged"):
-        fn = getattr(runner_module, name)
-        monkeypatch.setattr(runner_module, name,
-                            lambda *a, _fn=fn, _name=name, **kw: events.append(_name) or _fn(*a, **kw))
+    commit = step_module.commit_verify
+    monkeypatch.setattr(step_module, "commit_verify",
+                        lambda *a, **kw: events.append("commit_verify") or commit(*a, **kw))
     tokens = {}
     for static in (True, False):
         llm = LLM(target, dtype=torch.float32, speculative_algorithm="dflash", speculative_num_steps=3,
@@ -84,10 +83,11 @@ def test_the_captured_dflash_step_observes_before_the_verify_and_the_commit(tmp_
         if static:
             max_pages = pages_for(engine.model.max_model_len, engine.config.page_size)
             runner.graphs = TargetGraphs(runner.target, runner.pools, max_seqs=1, max_pages=max_pages)
-            runner.step_graphs = StepGraphs(runner.pools, runner.verify_step_fn, max_seqs=1, max_pages=max_pages)
-        observe = runner.proposer.observe_taps
-        assert runner.observe_taps == observe
-        runner.observe_taps = runner.proposer.observe_taps = lambda *a, _fn=observe: events.append("observe") or _fn(*a)
+            runner.step_graphs = StepGraphs(runner.spec, max_seqs=1, max_pages=max_pages)
+        spec = runner.spec
+        verify, observe = spec.verifier, spec.proposer.observe_taps
+        spec.verifier = lambda *a, _fn=verify: events.append("verify_ragged") or _fn(*a)
+        spec.proposer.observe_taps = lambda *a, _fn=observe: events.append("observe") or _fn(*a)
         events.clear()
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
         tokens[static] = out[0].token_ids

@@ -1,67 +1,92 @@
 """StaticInputs: the fields' device views and pinned host twins, uploaded whole or in two parts.
 
 A captured DFlash step uploads the proposal's fields first and the rest of the batch after the
-proposal's graphs are launched (fast/engine/graphs.StepGraphs); these tests hold the two parts to
+proposal's graphs are launched (fast/engine/graph_step.StepGraphs); these tests hold the two parts to
 exactly the bytes of their fields, on the CPU (the device buffers are CPU tensors here).
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import numpy as np
+import pytest
 import torch
 
-from dflash2.fast.engine.graphs import StaticInputs
+from dflash2.fast.engine.step_buffers import PROPOSAL_FIELDS, GraphKey, StaticInputs, field_sizes
+
+SIZES = field_sizes(GraphKey(num_seqs=3, rows_per_seq=2, pages=5, is_verify=True), decode=False)
+EARLY = PROPOSAL_FIELDS
 
 
-def make() -> StaticInputs:
-    return StaticInputs({"positions": 4, "anchors": 2, "block_tables": 3}, {"top_p": 2, "bias": 1},
-                        torch.device("cpu"), early=("anchors", "top_p"))
+def make(early=EARLY) -> StaticInputs:
+    return StaticInputs(SIZES, torch.device("cpu"), early=early)
+
+
+def present(inputs: StaticInputs) -> dict[str, torch.Tensor]:
+    return {f.name: getattr(inputs.device, f.name) for f in fields(inputs.device)
+            if getattr(inputs.device, f.name) is not None}
 
 
 def fill(inputs: StaticInputs, value: float) -> None:
-    for name, field in inputs.begin_fill().items():
-        field[:] = value + len(name)
+    host = inputs.begin_fill()
+    for name in present(inputs):
+        getattr(host, name)[:] = value + len(name)
 
 
-def byte_range(inputs: StaticInputs, name: str) -> tuple[int, int]:
-    view = inputs.views[name]
+def byte_range(view: torch.Tensor) -> tuple[int, int]:
     start = view.storage_offset() * view.element_size()
     return start, start + view.numel() * view.element_size()
 
 
+def test_the_fields_are_typed_and_the_absent_ones_none():
+    inputs = make()
+    assert set(present(inputs)) == set(SIZES)
+    assert inputs.device.tokens is None and inputs.host.sample_positions is None
+    assert inputs.device.anchors.dtype == torch.long and inputs.device.top_p.dtype == torch.float32
+    assert inputs.host.anchors.dtype == np.int64 and inputs.host.top_p.dtype == np.float32
+    with pytest.raises(ValueError, match="keep"):
+        StaticInputs({"keep": 1}, torch.device("cpu"))
+
+
 def test_early_fields_lead_the_buffer_and_fields_do_not_overlap():
     inputs = make()
-    ranges = {name: byte_range(inputs, name) for name in inputs.views}
-    assert max(ranges[n][1] for n in ("anchors", "top_p")) <= min(ranges[n][0] for n in ("positions", "block_tables",
-                                                                                           "bias"))
+    ranges = {name: byte_range(view) for name, view in present(inputs).items()}
+    assert max(ranges[n][1] for n in EARLY) <= min(r[0] for n, r in ranges.items() if n not in EARLY)
     spans = sorted(ranges.values())
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
     assert all(lo % 8 == 0 for lo, _ in spans), "a field is not 8-byte aligned"
-    assert inputs.views["anchors"].dtype == torch.long and inputs.views["top_p"].dtype == torch.float32
-    assert inputs.host["anchors"].dtype == np.int64 and inputs.host["top_p"].dtype == np.float32
 
 
 def test_early_then_late_uploads_copy_exactly_their_fields():
     inputs = make()
     fill(inputs, 100.0)
     inputs.upload("early")
-    early, late = ("anchors", "top_p"), ("positions", "block_tables", "bias")
-    for name in early:
-        assert torch.equal(inputs.views[name], torch.from_numpy(inputs.host[name])), name
+    late = tuple(n for n in SIZES if n not in EARLY)
+    for name in EARLY:
+        assert torch.equal(getattr(inputs.device, name), torch.from_numpy(getattr(inputs.host, name))), name
     for name in late:
-        assert not inputs.views[name].any(), f"{name} was copied with the early part"
+        assert not getattr(inputs.device, name).any(), f"{name} was copied with the early part"
     inputs.upload("late")
-    for name in early + late:
-        assert torch.equal(inputs.views[name], torch.from_numpy(inputs.host[name])), name
+    for name in EARLY + late:
+        assert torch.equal(getattr(inputs.device, name), torch.from_numpy(getattr(inputs.host, name))), name
     fill(inputs, 7.0)
     inputs.upload("late")
-    assert (inputs.views["anchors"] == 100 + len("anchors")).all(), "a late upload rewrote an early field"
-    assert (inputs.views["positions"] == 7 + len("positions")).all()
+    assert (inputs.device.anchors == 100 + len("anchors")).all(), "a late upload rewrote an early field"
+    assert (inputs.device.top_p == 100 + len("top_p")).all(), "a late upload rewrote an early field"
+    assert (inputs.device.positions == 7 + len("positions")).all()
 
 
 def test_without_early_fields_the_upload_is_whole():
-    inputs = StaticInputs({"a": 3}, {"b": 2}, torch.device("cpu"))
+    inputs = make(early=())
     fill(inputs, 1.0)
     inputs.upload()
-    assert np.array_equal(inputs.views["a"].numpy(), inputs.host["a"])
-    assert np.array_equal(inputs.views["b"].numpy(), inputs.host["b"])
+    for name, view in present(inputs).items():
+        assert np.array_equal(view.numpy(), getattr(inputs.host, name)), name
+
+
+def test_field_sizes_follow_the_key():
+    key = GraphKey(num_seqs=4, rows_per_seq=8, pages=16, is_verify=True)
+    decode, step = field_sizes(key, decode=True), field_sizes(key, decode=False)
+    assert decode["positions"] == 32 and decode["block_tables"] == 64 and decode["tokens"] == 32
+    assert "anchors" in step and "tokens" not in step and "anchors" not in decode

@@ -1,4 +1,4 @@
-"""The CUDA-graph step path (fast/engine/graphs.py) without the capture, on CPU: static buffers, bucket
+"""The CUDA-graph step path (fast/engine/graph_step.py) without the capture, on CPU: static buffers, bucket
 padding (3 running requests in a bucket of 4, page tables widened to a power of two), the one-upload fill,
 and the whole speculative step function (propose -> verify forward -> verify -> commit -> observe).
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.fast.engine.graphs import StepGraphs, TargetGraphs, buckets, page_bucket
+from dflash2.fast.engine.graph_step import StepGraphs, TargetGraphs
+from dflash2.fast.engine.step_buffers import buckets, page_bucket
 from dflash2.fast.engine.scheduler import pages_for
 from dflash2.fast.llm import LLM, SamplingParams
 from dflash2.reference.tiny.draft import write_tiny_draft
@@ -52,7 +53,7 @@ def test_the_static_step_path_gives_the_eager_tokens(stack, algorithm):
     max_pages = pages_for(engine.model.max_model_len, engine.config.page_size)
     runner.graphs = TargetGraphs(runner.target, runner.pools, max_seqs=5, max_pages=max_pages)
     if algorithm != "none":
-        runner.step_graphs = StepGraphs(runner.pools, runner.verify_step_fn, max_seqs=5, max_pages=max_pages)
+        runner.step_graphs = StepGraphs(runner.spec, max_seqs=5, max_pages=max_pages)
     static = llm.generate(PROMPTS, PARAMS)
     used = runner.graphs.graphs if algorithm == "none" else runner.step_graphs.graphs
     assert used, "no step went through the static path"
@@ -73,7 +74,7 @@ def test_greedy_speculative_steps_replay_the_static_step(stack, algorithm):
     llm = LLM(target, **kwargs)
     runner = llm.engine.runner
     max_pages = pages_for(llm.engine.model.max_model_len, llm.engine.config.page_size)
-    runner.step_graphs = StepGraphs(runner.pools, runner.verify_step_fn, max_seqs=5, max_pages=max_pages)
+    runner.step_graphs = StepGraphs(runner.spec, max_seqs=5, max_pages=max_pages)
     static = llm.generate(PROMPTS, greedy)
     assert any(key.num_seqs == 4 for key in runner.step_graphs.graphs)  # a padded bucket replayed
     for a, b in zip(static, eager):

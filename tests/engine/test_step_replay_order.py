@@ -15,13 +15,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash2.fast.engine import graphs as graphs_module
-from dflash2.fast.engine.graphs import (AHEAD_MIN_HITS, AHEAD_WINDOW, EARLY_REQUEST_FIELDS, PROPOSED,
-                                        REQUEST_FLOAT_FIELDS, REQUEST_INT_FIELDS, GraphKey, StepGraphs,
-                                        advance_early_fields)
+from dflash2.fast.engine.graph_step import PROPOSED, StepGraphs, advance_proposal_fields
+from dflash2.fast.engine.propose_ahead import ProposeAhead
+from dflash2.fast.engine.step_buffers import PROPOSAL_FIELDS, GraphKey
 from dflash2.reference.request.sampling_params import SamplingParams
 
 KEY = GraphKey(num_seqs=2, rows_per_seq=3, pages=2, is_verify=True)
+AHEAD_WINDOW, AHEAD_MIN_HITS = ProposeAhead().window, ProposeAhead().min_hits
+
+
+def fake_spec(page_size: int, split: bool) -> SimpleNamespace:
+    """What StepGraphs reads of a SpeculativeStep outside a capture: the pools' device and page size, and
+    whether the proposer reads the block tables."""
+    return SimpleNamespace(pools=SimpleNamespace(device=torch.device("cpu"), page_size=page_size),
+                           proposer=SimpleNamespace(reads_block_tables=not split))
 
 
 class RecordingStep:
@@ -41,21 +48,18 @@ class RecordingStep:
     def replay(self, start=None, stop=None):
         self.ends += stop is None
         self.pool_replays[0] += 1
-        seen = {name: self.inputs.views[name].clone() for name in ("anchors", "block_tables")}
+        seen = {name: getattr(self.inputs.device, name).clone() for name in ("anchors", "block_tables")}
         self.log.append(("replay", start, stop, seen))
         return torch.zeros(KEY.num_seqs, 1 + KEY.rows_per_seq, dtype=torch.long)
 
 
 def run_once(split_after_propose: bool):
-    graphs = StepGraphs(SimpleNamespace(device=torch.device("cpu"), page_size=8), step_fn=None,
-                        max_seqs=4, max_pages=2, split_after_propose=split_after_propose)
-    early = (*EARLY_REQUEST_FIELDS, "state_slots") if split_after_propose else ()
-    inputs = graphs._padding(KEY, {name: KEY.num_seqs for name in REQUEST_INT_FIELDS},
-                             {name: KEY.num_seqs for name in REQUEST_FLOAT_FIELDS}, early=early)
+    graphs = StepGraphs(fake_spec(8, split_after_propose), max_seqs=4, max_pages=2)
+    inputs = graphs._padding(KEY, decode=False, early=PROPOSAL_FIELDS if split_after_propose else ())
     log: list = []
     graphs.graphs[KEY] = RecordingStep(inputs, log)
     graphs.run(KEY, anchors=[5, 9], slots=[0, 1], tables=[[3], [4, 6]], anchor_tokens=[11, 12],
-               params=[SamplingParams(temperature=1.0, seed=1), SamplingParams()], keep=-1)
+               params=[SamplingParams(temperature=1.0, seed=1), SamplingParams()])
     return log
 
 
@@ -91,34 +95,31 @@ class DeviceLikeStep(RecordingStep):
         self.accept, self.step = accept, 0
 
     def replay(self, start=None, stop=None):
-        views = self.inputs.views
+        fields = self.inputs.device
         self.ends += stop is None
         self.pool_replays[0] += 1
         if start is None:  # the proposal
-            self.log.append(("proposal", views["anchors"].tolist(), views["anchor_tokens"].tolist()))
+            self.log.append(("proposal", fields.anchors.tolist(), fields.anchor_tokens.tolist()))
         if stop is None:  # the rest of the step
             b, r = KEY.num_seqs, KEY.rows_per_seq
             num_accepted = torch.tensor(self.accept, dtype=torch.long)
             emitted = 100 * self.step + torch.arange(b)[:, None] * 10 + torch.arange(r)[None, :]
             self.step += 1
-            advance_early_fields(views, num_accepted, emitted)
+            advance_proposal_fields(fields, num_accepted, emitted)
             return torch.cat([num_accepted[:, None], emitted], dim=1)
 
 
 def _split_graphs(accept):
     """A split StepGraphs whose one step (KEY) is a DeviceLikeStep accepting ``accept``, counted in the
     graphs' pool; returns (graphs, step, the step's log)."""
-    graphs = StepGraphs(SimpleNamespace(device=torch.device("cpu"), page_size=64), step_fn=None,
-                        max_seqs=4, max_pages=2, split_after_propose=True)
-    inputs = graphs._padding(KEY, {name: KEY.num_seqs for name in REQUEST_INT_FIELDS},
-                             {name: KEY.num_seqs for name in REQUEST_FLOAT_FIELDS},
-                             early=(*EARLY_REQUEST_FIELDS, "state_slots"))
+    graphs = StepGraphs(fake_spec(64, True), max_seqs=4, max_pages=2)
+    inputs = graphs._padding(KEY, decode=False, early=PROPOSAL_FIELDS)
     log: list = []
     step = graphs.graphs[KEY] = DeviceLikeStep(inputs, log, accept=accept, pool_replays=graphs.pool_replays)
     return graphs, step, log
 
 
-def test_steady_split_steps_reuse_the_early_fields_the_device_advanced():
+def test_steady_split_steps_reuse_the_proposal_fields_the_device_advanced():
     """Steps whose requests continue as the device expects skip the early fill and upload, and every
     proposal still reads this step's anchors and tokens; a host-side change, a new request mix or a replay
     from outside (a diagnostic) sends the next step back to the full upload."""
@@ -128,7 +129,7 @@ def test_steady_split_steps_reuse_the_early_fields_the_device_advanced():
 
     def run(**overrides):
         log.clear()
-        args = dict(anchors=anchors, slots=[0], tables=[[3]], anchor_tokens=tokens, params=params, keep=-1)
+        args = dict(anchors=anchors, slots=[0], tables=[[3]], anchor_tokens=tokens, params=params)
         rows = graphs.run(KEY, **{**args, **overrides})
         proposal = next(entry for entry in log if entry[0] == "proposal")
         uploads = [entry[1] for entry in log if entry[0] == "upload"]
@@ -139,24 +140,24 @@ def test_steady_split_steps_reuse_the_early_fields_the_device_advanced():
         return [anchors[0] + accepted + 1], [rows[0][1 + accepted]]
 
     rows, proposal, uploads = run()
-    assert uploads == ["early", "late"] and proposal[1:] == ([5, 0], [11, 0]) and graphs.early_reuses == 0
+    assert uploads == ["early", "late"] and proposal[1:] == ([5, 0], [11, 0]) and graphs.field_reuses == 0
     for i in range(3):  # steady: the device holds what the host asks for
         anchors, tokens = host_next(rows)
         rows, proposal, uploads = run()
-        assert uploads == ["late"] and graphs.early_reuses == i + 1
+        assert uploads == ["late"] and graphs.field_reuses == i + 1
         assert proposal[1][0] == anchors[0] and proposal[2][0] == tokens[0]
         assert proposal[1][1] == 0 and proposal[2][1] == 0  # the padding request kept its fields
     anchors, tokens = host_next(rows)
     tokens = [tokens[0] + 1]  # the host's token differs (say a stop rule rewrote it): full upload
     rows, proposal, uploads = run()
-    assert uploads == ["early", "late"] and proposal[2][0] == tokens[0] and graphs.early_reuses == 3
+    assert uploads == ["early", "late"] and proposal[2][0] == tokens[0] and graphs.field_reuses == 3
     anchors, tokens = host_next(rows)
     step.replay()  # a diagnostic replays the step: the device's fields moved on without the host
     rows, proposal, uploads = run()
     assert uploads == ["early", "late"] and proposal[1][0] == anchors[0]
     anchors, tokens = host_next(rows)
     rows, proposal, uploads = run(params=[SamplingParams(temperature=0.5, seed=1)])  # other sampling
-    assert uploads == ["early", "late"] and graphs.early_reuses == 3
+    assert uploads == ["early", "late"] and graphs.field_reuses == 3
 
 
 def _ahead_graphs():
@@ -170,7 +171,7 @@ def _ahead_graphs():
         log.clear()
         state["epoch"] += epoch_step
         args = dict(anchors=state["anchors"], slots=[0], tables=[[3]], anchor_tokens=state["tokens"], params=params,
-                    keep=-1, epoch=state["epoch"], ahead=ahead)
+                    epoch=state["epoch"], ahead=ahead)
         rows = graphs.run(KEY, **{**args, **overrides})
         events = [(entry[0], entry[1] if entry[0] == "upload" else entry[1][0]) for entry in log
                   if entry[0] in ("upload", "proposal")]
@@ -179,33 +180,33 @@ def _ahead_graphs():
     return graphs, step, state, run
 
 
-def test_a_step_proposing_ahead_hands_the_next_step_its_proposal_only_when_nothing_ran_between(monkeypatch):
+def test_a_step_proposing_ahead_hands_the_next_step_its_proposal_only_when_nothing_ran_between():
     """With ``ahead`` the step launches the next proposal behind its own graphs, on the advanced fields, and
     still returns its own rows; the next step skips its proposal (no early upload, no replay before the late
     upload) only with the same key, the advanced values, the next epoch and no replay of the pool between."""
-    monkeypatch.setattr(graphs_module, "AHEAD_MIN_HITS", 0)  # every case below, however many miss in a row
     graphs, step, state, run = _ahead_graphs()
+    graphs.ahead.min_hits = 0  # every case below, however many miss in a row
     rows, events = run()  # a first step: its own proposal, then the next one's on the advanced anchor
     assert rows[0] == [2, 0, 1, 2] and events == [("upload", "early"), ("proposal", 5), ("upload", "late"),
                                                 ("proposal", 8)]
     rows, events = run()  # steady: the proposal ran already; only the late fields go up
-    assert graphs.ahead_used == 1 and events == [("upload", "late"), ("proposal", 11)]
+    assert graphs.ahead.used == 1 and events == [("upload", "late"), ("proposal", 11)]
     assert rows[0] == [2, 100, 101, 102], "the rows read are this step's, not the proposal's behind it"
     rows, events = run(ahead=False)  # the caller expects a change: nothing is launched behind the step
-    assert graphs.ahead_used == 2 and events == [("upload", "late")]
+    assert graphs.ahead.used == 2 and events == [("upload", "late")]
     rows, events = run()  # no proposal ahead to use: the device still holds the advanced fields
-    assert graphs.ahead_used == 2 and graphs.early_reuses == 1
+    assert graphs.ahead.used == 2 and graphs.field_reuses == 1
     assert events == [("proposal", 14), ("upload", "late"), ("proposal", 17)]
     rows, events = run(epoch_step=2)  # another runner step ran between (a prefill, say)
-    assert graphs.ahead_used == 2 and graphs.early_reuses == 2 and events[0] == ("proposal", 17)
+    assert graphs.ahead.used == 2 and graphs.field_reuses == 2 and events[0] == ("proposal", 17)
     step.replay(stop=PROPOSED)  # a diagnostic replays a graph of the pool
     rows, events = run()
-    assert graphs.ahead_used == 2 and events[0] == ("proposal", 20)
+    assert graphs.ahead.used == 2 and events[0] == ("proposal", 20)
     state["tokens"] = [state["tokens"][0] + 1]  # the host's token differs (a stop rule rewrote it)
     rows, events = run()
-    assert graphs.ahead_used == 2 and events[:2] == [("upload", "early"), ("proposal", 23)]
+    assert graphs.ahead.used == 2 and events[:2] == [("upload", "early"), ("proposal", 23)]
     rows, events = run()  # and the step after that is steady again
-    assert graphs.ahead_used == 3 and events == [("upload", "late"), ("proposal", 29)]
+    assert graphs.ahead.used == 3 and events == [("upload", "late"), ("proposal", 29)]
 
 
 def test_proposals_ahead_stop_while_the_prediction_keeps_failing_and_resume_once_it_holds():
@@ -223,4 +224,4 @@ def test_proposals_ahead_stop_while_the_prediction_keeps_failing_and_resume_once
         launched = events[-1][0] == "proposal" and events[-2] == ("upload", "late")
         assert launched == (hit == AHEAD_MIN_HITS - 1), f"hit {hit + 1}: launched {launched}"
     rows, events = run()
-    assert events == [("upload", "late"), ("proposal", state["anchors"][0])] and graphs.ahead_used == 1
+    assert events == [("upload", "late"), ("proposal", state["anchors"][0])] and graphs.ahead.used == 1

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.fast.engine.graphs import StepGraphs, TargetGraphs, buckets
+from dflash2.fast.engine.graph_step import StepGraphs, TargetGraphs
+from dflash2.fast.engine.step_buffers import buckets
 from dflash2.fast.engine.scheduler import pages_for
 from dflash2.fast.engine.warmup import warm_up
 from dflash2.fast.llm import LLM
@@ -31,7 +32,7 @@ def test_warm_up_steps_every_bucket_and_leaves_the_engine_idle(stack, algorithm)
     # the CPU runs the static step path without capturing (CapturedStep), so the keys it steps are visible
     runner.graphs = TargetGraphs(runner.target, runner.pools, max_seqs=5, max_pages=max_pages)
     if algorithm != "none":
-        runner.step_graphs = StepGraphs(runner.pools, runner.verify_step_fn, max_seqs=5, max_pages=max_pages)
+        runner.step_graphs = StepGraphs(runner.spec, max_seqs=5, max_pages=max_pages)
     report = warm_up(engine)
     assert report["requests"] == 10 and report["seconds"] > 0
     keys = runner.graphs.graphs if algorithm == "none" else runner.step_graphs.graphs

@@ -54,26 +54,55 @@ sit behind the constexpr so the branch is not compiled when PDL is off, and neve
 interpreter (which has no inline asm). ``tl.extra.cuda`` is looked up only when a kernel compiles with
 PDL on, so nothing here imports it and this module loads without Triton.
 
-``DFLASH2_PDL=0`` turns PDL off (A/B benchmarks): it is read at every call, and a launch captured into
-a CUDA graph keeps the options it was launched with, so two captures in one process can differ.
-The rest (device, Triton, the interpreter) is cached per device.
+Switches: :data:`SETTINGS` (``pdl``, ``l2_prefetch``), set by the engine from ``EngineConfig.pdl`` and
+``EngineConfig.l2_prefetch`` (``ft --no-pdl``, ``--no-l2-prefetch``) through :func:`configure`, or for a block
+by :func:`launch_settings` (tests, A/B benchmarks). They are read at every launch, and a launch captured into
+a CUDA graph keeps the options it was launched with, so two captures in one process can differ. Whether
+the device can (Hopper or later, compiled Triton rather than its interpreter) is cached per device.
 """
 
 from __future__ import annotations
 
 import functools
-import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 
-from .triton_compat import HAS_TRITON
+from .triton_compat import HAS_TRITON, INTERPRETED
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    pdl: bool = True  # launch the listed kernels with programmatic dependent launch where the device can
+    l2_prefetch: bool = True  # let a kernel issue its bulk L2 prefetch where the device can
+
+
+SETTINGS = LaunchSettings()
+
+
+def configure(settings: LaunchSettings) -> None:
+    """Set the process's launch settings (the engine does, from its EngineConfig, at startup)."""
+    global SETTINGS
+    SETTINGS = settings
+
+
+@contextmanager
+def launch_settings(**changes) -> Iterator[LaunchSettings]:
+    """Within the block, the launch settings with ``changes`` (``pdl=False``, ``l2_prefetch=False``)."""
+    previous = SETTINGS
+    configure(replace(previous, **changes))
+    try:
+        yield SETTINGS
+    finally:
+        configure(previous)
 
 
 @functools.lru_cache(maxsize=None)
 def _supported(device: torch.device) -> bool:
-    """A CUDA device of compute capability >= 9.0 (griddepcontrol is sm_90+), compiled Triton kernels
-    (TRITON_INTERPRET=1 is read by ``triton.jit`` at import, so once is enough here too)."""
-    if not HAS_TRITON or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    """A CUDA device of compute capability >= 9.0 (griddepcontrol is sm_90+), compiled Triton kernels."""
+    if not HAS_TRITON or device.type != "cuda" or INTERPRETED:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -89,16 +118,16 @@ EARLY_READERS = {
 
 
 def pdl_enabled(device: torch.device | str) -> bool:
-    """Whether kernels on ``device`` launch with PDL: Hopper or later, compiled Triton, DFLASH2_PDL != 0."""
-    if os.environ.get("DFLASH2_PDL", "1") == "0":
+    """Whether kernels on ``device`` launch with PDL: Hopper or later, compiled Triton, ``SETTINGS.pdl``."""
+    if not SETTINGS.pdl:
         return False
     return _supported(torch.device(device))
 
 
 def l2_prefetch_enabled(device: torch.device | str) -> bool:
     """Whether a kernel may issue sm_90's bulk L2 prefetch (``cp.async.bulk.prefetch.L2``, inline asm): the
-    same devices as PDL, and DFLASH2_PREFETCH != 0 (A/B benchmarks; read at every call, kept by a capture)."""
-    if os.environ.get("DFLASH2_PREFETCH", "1") == "0":
+    same devices as PDL, and ``SETTINGS.l2_prefetch`` (read at every call, kept by a capture)."""
+    if not SETTINGS.l2_prefetch:
         return False
     return _supported(torch.device(device))
 

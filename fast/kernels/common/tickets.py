@@ -12,7 +12,7 @@ them one after another: under ``pdl.py``'s rule a kernel waits, before its first
 previous kernel's full completion (its counter resets included), and the next kernel gets past its
 own wait only once this one has completed, so at most one is past its wait.
 
-Lanes: work that runs on a second stream beside the engine's (``fast/engine/side_stream.py``: a verify
+Lanes: work that runs on a second stream beside the engine's (``fast/model/side_stream.py``: a verify
 step's DFlash observe) draws from its own buffer, lane 1, chosen by :func:`lane` around that work, so
 kernels of the two streams never share a counter.
 

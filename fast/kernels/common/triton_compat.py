@@ -49,6 +49,13 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
                 self.value = value
 
 
-def use_triton(*tensors) -> bool:
-    """The default dispatch: Triton kernels for CUDA tensors when Triton is present, torch otherwise."""
-    return HAS_TRITON and all(t.is_cuda for t in tensors)
+def _interpreted() -> bool:
+    """Whether ``triton.jit`` makes interpreted functions here (TRITON_INTERPRET=1, read through Triton's own
+    settings when the kernel modules are imported, which is when ``triton.jit`` decides)."""
+    if not HAS_TRITON:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    return bool(knobs is not None and knobs.runtime.interpret)
+
+
+INTERPRETED = _interpreted()  # the kernels run in Triton's interpreter (CPU tensors), not compiled for a GPU

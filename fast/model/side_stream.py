@@ -13,11 +13,12 @@ Inside a CUDA-graph capture the fork and the join become the graph's edges (the 
 capture by waiting on the main stream's event); eagerly they are event waits. The two streams never share
 a ticket counter: the side stream's kernels draw from ``tickets`` lane 1. The side stream is made with the
 higher priority, meant to let its few-program kernels take multiprocessors as they free up rather than queue
-behind the LM head's waves (whether a captured graph keeps the priority was not measured). On the H200 the
-captured MoE DFlash step replays 81 us faster with it than with the observe in place (7269 against 7350 us,
-bench/results/2026-12-03-h200-perf10/). Both orders compute the same values: the observe's inputs are
-written before the fork, its outputs read after the join. On a CPU device, or with ``DFLASH2_SIDE_STREAM=0`` (for A/B timing and
-debugging), ``fork`` runs the work at once on the step's own stream, at the fork's place in the step.
+behind the LM head's waves (whether a captured graph keeps the priority was not measured). The captured MoE
+DFlash step replays faster with the side stream than with the observe in place
+(bench/results/2026-12-03-h200-perf10/). Both orders compute the same values: the observe's inputs are written
+before the fork, its outputs read after the join. On a CPU device, or with ``enabled`` False
+(``EngineConfig.side_stream``: A/B timing and debugging), ``fork`` runs the work at once on the step's own
+stream, at the fork's place in the step.
 
 A fork is joined inside the graph it began in: if a capture cuts the step into a new graph before the
 join, the cut joins first (``fast/model/capture.join_before_cut``).
@@ -29,13 +30,12 @@ allocator hands to no other stream.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
 from ..kernels.common import tickets
-from ..model.capture import join_before_cut
+from .capture import join_before_cut
 
 SIDE_LANE = 1  # the tickets lane of the side stream's kernels
 
@@ -43,9 +43,9 @@ SIDE_LANE = 1  # the tickets lane of the side stream's kernels
 class SideStream:
     """One side stream of a device, for :meth:`fork` / :meth:`join` pairs (at most one pending at a time)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, enabled: bool = True):
         self.device = torch.device(device)
-        enabled = self.device.type == "cuda" and os.environ.get("DFLASH2_SIDE_STREAM", "1") != "0"
+        enabled = enabled and self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device, priority=-1) if enabled else None
         self.pending = False
 
