@@ -249,7 +249,7 @@ class ServerProcess:
     """``ft serve <args> --host 127.0.0.1 --port 0`` in a child process, its log kept."""
 
     def __init__(self, serve_args: list[str], startup_timeout: float):
-        command = [sys.executable, "-m", "dflash2.fast", "serve", *serve_args, "--host", "127.0.0.1", "--port", "0"]
+        command = [sys.executable, "-m", "dflash2.cli", "serve", *serve_args, "--host", "127.0.0.1", "--port", "0"]
         self.command = command
         self.lines: list[str] = []
         listening = threading.Event()

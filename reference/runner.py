@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .formats.checkpoint import load_target
+from .formats.config import resolve_mtp_k
 from .formats.errors import CheckpointError, ConfigError, expect
 from .generate import GenerationResult, generate
 from .speculative.proposer import Proposer
@@ -15,7 +16,6 @@ from .model.target import ReferenceTarget
 from .formats.tokenizer import check_tokenizer_fits, eos_token_ids, has_tokenizer, load_tokenizer
 
 SPECULATIVE_ALGORITHMS = ("none", "mtp", "dflash")
-DEFAULT_MTP_STEPS = 3
 
 
 class ReferenceRunner:
@@ -56,10 +56,7 @@ class ReferenceRunner:
         from .model.mtp import ReferenceMTP
         from .speculative.mtp import MTPProposer
 
-        expect(cfg.mtp_num_hidden_layers == 1, ConfigError, "mtp_num_hidden_layers", cfg.mtp_num_hidden_layers,
-               "1 for speculative_algorithm 'mtp' (this target has no MTP head)")
-        k = DEFAULT_MTP_STEPS if num_steps is None else num_steps
-        expect(isinstance(k, int) and k >= 1, ConfigError, "speculative_num_steps", k, "an integer >= 1")
+        k = resolve_mtp_k(cfg, num_steps)
         mtp = ReferenceMTP(cfg, weights)
         self.num_steps = k
         self._new_proposer = lambda: MTPProposer(mtp)

@@ -30,6 +30,7 @@ ln -sfn "$repo/fast" /tmp/pkg/dflash2/fast
 ln -sfn "$repo/bench" /tmp/pkg/dflash2/bench
 ln -sfn "$repo/train" /tmp/pkg/dflash2/train
 ln -sfn "$repo/models" /tmp/pkg/dflash2/models
+ln -sfn "$repo/cli" /tmp/pkg/dflash2/cli
 export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -65,7 +66,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
       *27b) sim=5.47 ;; *35b-a3b) sim=5.39 ;; *) sim= ;;
     esac
     sim=${BENCH_SIM-$sim}
-    python3 -m dflash2.fast bench --model "bench/shapes/$shape" --draft "bench/shapes/$shape-dflash2" \
+    python3 -m dflash2.cli bench --model "bench/shapes/$shape" --draft "bench/shapes/$shape-dflash2" \
       --load-format dummy --runs "${BENCH_RUNS:-$default_runs}" \
       --max-tokens "${BENCH_TOKENS:-64}" ${sim:+--simulate-tokens-per-step "$sim"} ${BENCH_FLAGS:-} \
       --out "$out/bench-$shape" 2>&1 | tee "$out/bench-$shape.log" || bench_rc=1

@@ -26,7 +26,7 @@ export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpu.txt"
-ft() { python3 -m dflash2.fast "$@"; }
+ft() { python3 -m dflash2.cli "$@"; }
 
 if [ -n "${SMOKE:-}" ]; then  # the whole recipe for seconds on a copy of the run: fail fast, measure speed
   rm -rf /tmp/smoke && mkdir -p /tmp/smoke && cp -r "$run/tokenizer" "$run/recipe.json" /tmp/smoke/

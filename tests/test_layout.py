@@ -84,7 +84,7 @@ def test_every_reference_module_lives_in_a_package_or_is_a_loop():
 def test_the_boundary_check_catches_planted_imports(monkeypatch):
     """A fast module importing reference compute (absolutely or relatively) is named; shared ones pass."""
     planted = ROOT / "fast" / "engine" / "planted.py"  # never written: the source is parsed in memory
-    source = ("from dflash2.fast.cli import main\nimport triton.language as tl\n"
+    source = ("from dflash2.cli.main import main\nimport triton.language as tl\n"
               "from ...reference.model.target import ReferenceTarget\n"
               "from dflash2.reference.speculative import verify\n"
               "from dflash2.reference.formats.config import TargetConfig\n")

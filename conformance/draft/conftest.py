@@ -51,9 +51,7 @@ def released_window(tmp_path_factory, tiny_target) -> DraftPair:
     return _draft_pair(tmp_path_factory, tiny_target, "draft-w2048")
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_terminal_summary(terminalreporter, config):
     if REPORT:
-        terminalreporter.section("fast DFlash / MTP proposers vs reference: max error per quantity")
-        for log in REPORT:
-            for line in log.lines():
-                terminalreporter.write_line(line)
+        lines = [line for log in REPORT for line in log.lines()]
+        config.__dict__.setdefault("dflash2_tolerance_tables", []).append(("fast DFlash / MTP proposers vs reference: max error per quantity", lines))

@@ -5,9 +5,7 @@ from __future__ import annotations
 from fast_model_harness import REPORT
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_terminal_summary(terminalreporter, config):
     if REPORT:
-        terminalreporter.section("fast model vs reference: max error per quantity")
-        for log in REPORT:
-            for line in log.lines():
-                terminalreporter.write_line(line)
+        lines = [line for log in REPORT for line in log.lines()]
+        config.__dict__.setdefault("dflash2_tolerance_tables", []).append(("fast model vs reference: max error per quantity", lines))

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from dflash2.fast.cli import main
+from dflash2.cli.main import main
 
 PROMPT = 'import os\n\n\ndef walk(root):\n    """Yield every file under root."""\n'
 

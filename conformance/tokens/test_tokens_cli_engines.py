@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from dflash2.fast.cli import main
+from dflash2.cli.main import main
 
 
 def ft(*argv) -> tuple[int, str]:

@@ -68,7 +68,8 @@ class EngineConfig:
                self.model_path, "a checkpoint folder")
         expect(self.dtype == AUTO or self.dtype in DTYPES, ConfigError, "dtype", self.dtype,
                f"'auto' or one of {sorted(DTYPES)}")
-        expect(isinstance(self.device, str) and (self.device in (AUTO, "cpu") or self.device.split(":")[0] == "cuda"),
+        expect(isinstance(self.device, str) and (self.device in (AUTO, "cpu", "cuda") or (
+            self.device.split(":")[0] == "cuda" and self.device.split(":")[-1].isdigit())),
                ConfigError, "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
         for name in ("max_running_req", "max_num_batched_tokens", "page_size", "cpu_cache_bytes"):
             value = getattr(self, name)
@@ -101,6 +102,12 @@ class EngineConfig:
         device = self.device
         if device == AUTO:
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device.startswith("cuda"):
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            index = int(device.split(":")[1]) if ":" in device else 0
+            expect(index < count, ConfigError, "device", device,
+                   f"'cpu' or 'auto' here: torch {torch.__version__} sees no CUDA device" if count == 0 else
+                   f"one of the {count} CUDA devices (cuda:0 .. cuda:{count - 1})")
         dtype = self.dtype
         if dtype == AUTO:
             dtype = "bfloat16" if device.startswith("cuda") else "float32"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash2.reference.formats.checkpoint import load_target
-from dflash2.reference.formats.config import TargetConfig, load_target_config
+from dflash2.reference.formats.config import TargetConfig, load_target_config, resolve_mtp_k
 from dflash2.reference.formats.draft_checkpoint import load_draft
 from dflash2.reference.formats.draft_config import load_draft_config
 from dflash2.reference.formats.errors import ConfigError, expect
@@ -34,7 +34,6 @@ from .memory import MemoryPlan, cache_budget_bytes, dflash_slot_bytes, dflash_wo
 from ..speculative.proposer import Proposer
 
 logger = logging.getLogger("dflash2.fast.engine")
-DEFAULT_MTP_STEPS = 3  # as reference/runner.py
 
 
 @dataclass
@@ -67,10 +66,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
            f"at most the model's context of {target_cfg.max_position_embeddings} tokens")
     num_steps, draft_cfg, draft_weights = 0, None, None
     if cfg.speculative_algorithm == "mtp":
-        expect(target_cfg.mtp_num_hidden_layers == 1, ConfigError, "mtp_num_hidden_layers",
-               target_cfg.mtp_num_hidden_layers, "1 for speculative_algorithm 'mtp' (this target has no MTP head)")
-        num_steps = DEFAULT_MTP_STEPS if cfg.speculative_num_steps is None else cfg.speculative_num_steps
-        expect(num_steps >= 1, ConfigError, "speculative_num_steps", num_steps, "an integer >= 1")
+        num_steps = resolve_mtp_k(target_cfg, cfg.speculative_num_steps)
     elif cfg.speculative_algorithm == "dflash":
         if dummy:
             draft_cfg = load_draft_config(cfg.speculative_draft_model_path, target_cfg, cfg.speculative_num_steps)

@@ -32,7 +32,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Sequence
 
 from fastapi import FastAPI, Request
@@ -51,33 +50,15 @@ from . import protocol as p
 from .detokenize import IncrementalText, TokenStrings
 from .engine_loop import EngineLoop, EngineStopped, QueueFull, RequestGroup
 from .metrics import ServeMetrics
+from .settings import ServeSettings
 from .sse import DONE, EventStream, event
 
 logger = logging.getLogger("dflash2.fast.serve")
-MiB = 1 << 20
 MIN_LOGPROB = -9999.0  # JSON has no -inf: a token outside the filtered support reads as this (as vLLM)
 # apply_chat_template arguments that change what it returns: not template variables
 RESERVED_TEMPLATE_KWARGS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
                             "continue_final_message", "tokenize", "padding", "truncation", "max_length",
                             "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    served_model_name: str
-    api_key: str | None = None
-    max_queued_requests: int = 256  # requests waiting for admission beyond max_running_req; more get a 429
-    max_request_bytes: int = 32 * MiB
-
-    def __post_init__(self) -> None:
-        for name, low in (("max_queued_requests", 0), ("max_request_bytes", 1)):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
-                raise UserInputError(f"{name}={value!r}: expected an integer >= {low}")
-        if not (isinstance(self.served_model_name, str) and self.served_model_name):
-            raise UserInputError(f"served_model_name={self.served_model_name!r}: expected a non-empty name")
-        if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key):
-            raise UserInputError("api_key: expected a non-empty key (or none)")
 
 
 class ClientGone(Exception):

@@ -15,41 +15,24 @@ process exits 0. A second Ctrl-C exits at once.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import socket
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from dflash2.reference.formats.errors import UserInputError
 
+from ..engine.config import EngineConfig
+from .settings import ServeSettings
+
 logger = logging.getLogger("dflash2.fast.serve")
-DEFAULT_PORT = 8000
 MiB = 1 << 20
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """The serving flags (the engine flags are added by the caller, as for ``ft generate``)."""
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s; 0 picks a free one)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send and /v1/models lists (default: --model as given)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 request")
-    p.add_argument("--max-queued-requests", type=int, default=256,
-                   help="requests waiting beyond --max-running-requests before new ones get a 429 (default: "
-                        "%(default)s)")
-    p.add_argument("--max-request-bytes", type=int, default=32 * MiB, help="largest request body (default: 32 MiB)")
-    p.add_argument("--drain-timeout", type=float, default=60.0,
-                   help="seconds to let running requests finish after SIGTERM or Ctrl-C (default: %(default)s)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at startup")
-
-
 def _bind(host: str, port: int) -> socket.socket:
-    if not (isinstance(port, int) and 0 <= port <= 65535):
-        raise UserInputError(f"port={port!r}: expected an integer in [0, 65535]")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
@@ -75,25 +58,22 @@ def summary(engine, name: str) -> str:
             f"{cfg.max_running_req} running requests at most, max_model_len {engine.max_model_len}")
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn  # here, not at the top: ``ft generate`` builds this parser without loading the server
+def run_serve(config: EngineConfig, settings: ServeSettings, *, model_given: str | None = None) -> int:
+    """Serve ``config``'s model with ``settings`` until SIGTERM or Ctrl-C (module docstring). ``model_given``: the
+    ``--model`` as the user gave it, the default served name (None: the bundled pair, named by its folder)."""
+    import uvicorn  # here, not at the top: the command line builds its parser without loading the server
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from ..engine.config import engine_config_from_args
     from ..engine.engine import Engine
     from ..engine.warmup import warm_up
-    from .app import ServeSettings, create_app
+    from .app import create_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    if not (isinstance(args.drain_timeout, (int, float)) and args.drain_timeout >= 0):
-        raise UserInputError(f"drain_timeout={args.drain_timeout!r}: expected a number of seconds >= 0")
-    config = engine_config_from_args(args)
-    default_name = args.model or Path(config.model_path).parent.name  # the bundled pair's name
-    settings = ServeSettings(served_model_name=args.served_model_name or default_name, api_key=args.api_key,
-                             max_queued_requests=args.max_queued_requests, max_request_bytes=args.max_request_bytes)
-    sock = _bind(args.host, args.port)  # first: a port in use should not wait for the model to load
+    default_name = model_given or Path(config.model_path).parent.name  # the bundled pair's name
+    settings = replace(settings, served_model_name=settings.served_model_name or default_name)
+    sock = _bind(settings.host, settings.port)  # first: a port in use should not wait for the model to load
     host, port = sock.getsockname()[:2]
     start = time.perf_counter()
     with logging_redirect_tqdm(), tqdm(total=2, desc="ft serve", unit="stage", file=sys.stderr, leave=False,
@@ -102,7 +82,7 @@ def run_serve(args: argparse.Namespace) -> int:
         bar.set_postfix_str("loading the model and allocating the caches")
         engine = Engine(config)
         bar.update()
-        if not args.no_warmup:
+        if settings.warmup:
             bar.set_postfix_str("warm-up: compiling kernels, capturing graphs")
             try:
                 warm = warm_up(engine)
@@ -114,8 +94,9 @@ def run_serve(args: argparse.Namespace) -> int:
     sock.listen(2048)  # connections from here on queue until uvicorn accepts them
     logger.info("listening on http://%s:%d (OpenAI API under /v1; /health, /metrics)", host, port)
     app = create_app(engine, settings)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout,
-                                           access_log=args.log_level == "debug", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=settings.log_level,
+                                           timeout_graceful_shutdown=settings.drain_timeout,
+                                           access_log=settings.log_level == "debug", lifespan="on"))
     # uvicorn restores the handlers it found and re-raises the signal that stopped it: with these in
     # place, a drained shutdown ends here and exits 0 instead of dying of that signal
     caught: list[int] = []

@@ -253,3 +253,19 @@ def parse_target_config(top: dict[str, Any]) -> TargetConfig:
         weight_prefix=prefix,
         **moe,
     )
+
+
+DEFAULT_MTP_K = 3  # drafts per verify step with the target's MTP head when k is not given
+# k's bound with MTP, as a released DFlash 2 draft's (block_size - 1): both engines' verify steps are sized and
+# tested for at most 8 rows a request, and chained MTP drafts past the seventh are rarely accepted
+MAX_MTP_K = 7
+
+
+def resolve_mtp_k(cfg: TargetConfig, requested: int | None) -> int:
+    """k for ``speculative_algorithm='mtp'``: the target must have its MTP head, k in ``1 .. MAX_MTP_K``."""
+    expect(cfg.mtp_num_hidden_layers == 1, ConfigError, "mtp_num_hidden_layers", cfg.mtp_num_hidden_layers,
+           "1 for speculative_algorithm 'mtp' (this target has no MTP head)")
+    k = DEFAULT_MTP_K if requested is None else requested
+    expect(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_MTP_K, ConfigError,
+           "speculative_num_steps", k, f"an integer in 1 .. {MAX_MTP_K} for speculative_algorithm 'mtp'")
+    return k

@@ -16,7 +16,7 @@ for row in r['results']:
     if row['experts'] == 256: print(row['rows'], round(row['triton_us'], 1), row['blocks'], [(s['blocks'], round(s['us'], 1)) for s in row['sweep']])
 " 2>&1 | tail -5
 fi
-timeout "${BENCH_S:-240}" python3 -m dflash2.fast bench --model $moe --draft $moe-dflash2 --load-format dummy \
+timeout "${BENCH_S:-240}" python3 -m dflash2.cli bench --model $moe --draft $moe-dflash2 --load-format dummy \
   --runs "${MOE_RUNS:-off:1:4096,dflash7:1:4096,dflash7:16:512}" --max-tokens 48 \
   --simulate-tokens-per-step 5.39 --out /tmp/bench-moe > /tmp/bench-moe.log 2>&1
 echo "bench rc $?"; cp /tmp/bench-moe/bench.md $OUT/bench-moe.md; cp /tmp/bench-moe/bench.json $OUT/bench-moe.json

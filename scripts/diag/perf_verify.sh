@@ -15,7 +15,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   echo "gpu tests rc $? in $(( $(date +%s) - start )) s"; tail -2 $OUT/gpu_tests.log; grep -E "^FAILED|^ERROR| FAILED" $OUT/gpu_tests.log | head
 fi
 if [ -z "${SKIP_FT_BENCH:-}" ]; then
-  timeout "${BENCH_S:-240}" python3 -m dflash2.fast bench --model bench/shapes/$shape --draft bench/shapes/$shape-dflash2 \
+  timeout "${BENCH_S:-240}" python3 -m dflash2.cli bench --model bench/shapes/$shape --draft bench/shapes/$shape-dflash2 \
     --load-format dummy --runs "${RUNS:-off:1:512,off:1:4096,dflash7:1:4096,off:16:512,dflash7:16:512}" --max-tokens 48 \
     --simulate-tokens-per-step ${SIM:-5.39} --out /tmp/bench > /tmp/bench.log 2>&1
   echo "bench rc $?"; cp /tmp/bench/bench.md $OUT/bench-$shape.md; cp /tmp/bench/bench.json $OUT/bench-$shape.json

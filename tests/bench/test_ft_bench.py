@@ -9,7 +9,7 @@ import pytest
 
 from dflash2.bench.report import ratio_medians, step_ratios
 from dflash2.bench.simulated import SimulatedAcceptance
-from dflash2.fast.cli import main
+from dflash2.cli.main import main
 from dflash2.reference.tiny.draft import write_tiny_draft
 from dflash2.reference.tiny.target import write_tiny_target
 

@@ -2,7 +2,7 @@
 
 ``made(preset)`` runs ``ft make-tiny --preset P --out ... --draft-out ...`` in-process on first
 use and returns a :class:`Made` (target folder, draft folder, what the command printed).
-``ft(*argv)`` runs ``dflash2.fast.cli.main`` in-process and returns (exit code, stdout, stderr).
+``ft(*argv)`` runs ``dflash2.cli.main.main`` in-process and returns (exit code, stdout, stderr).
 ``damaged(preset)`` is a private copy of a made target to break in one precise way.
 ``forward_calls`` records every target forward pass (a refused request must run none).
 ``greedy_args(model)`` is the argv of a greedy, eos-ignoring JSON ``ft generate`` on fixed prompt ids.
@@ -20,7 +20,7 @@ from typing import Callable
 
 import pytest
 
-from dflash2.fast.cli import main
+from dflash2.cli.main import main
 from dflash2.reference.model.target import ReferenceTarget
 
 PROMPT_IDS = "5,17,42,99,3"

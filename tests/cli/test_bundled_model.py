@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dflash2 import models
-from dflash2.fast.cli import main as ft
+from dflash2.cli.main import main as ft
 from dflash2.reference.formats.errors import UserInputError
 
 MiB = 2**20
@@ -61,3 +61,38 @@ def test_llm_default():
     assert llm.config.model_path == str(models.bundled_target())
     out = llm.generate(["import os\n"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     assert out.error is None and len(out.token_ids) == 4
+
+
+def test_a_pair_folder_is_taken_as_its_target_and_draft(capsys):
+    """``--model models/pycoder-10m`` (the folder the README names) runs its target, and its draft with dflash."""
+    folder = models.ROOT / models.DEFAULT_NAME
+    assert models.resolve_model_paths(folder, "dflash", None) == (str(folder / "target"), str(folder / "draft"))
+    assert models.resolve_model_paths(folder, "mtp", None) == (str(folder / "target"), None)
+    assert models.resolve_model_paths(folder, "dflash", "d") == (str(folder / "target"), "d")
+    assert ft(["generate", "--model", str(folder), "--prompt-ids", "1,2,3", "--max-tokens", "4", "--temperature",
+               "0", "--speculative-algorithm", "dflash", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_steps"] == 7
+
+
+def test_text_output_says_that_speculation_ran(capsys):
+    """Text mode prints the completion on stdout and one stderr line with the tokens per verify step."""
+    assert ft(["generate", "--prompt", "def f(x):\n", "--max-tokens", "8", "--temperature", "0", "--ignore-eos",
+               "--speculative-algorithm", "dflash"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dflash k=7: ") and "tokens per verify step" in err[0], err
+    assert ft(["generate", "--prompt", "def f(x):\n", "--max-tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_serve_without_a_model_serves_the_bundled_pair_with_its_draft(monkeypatch):
+    """``ft serve`` with no model: the bundled pair with DFlash (its log says so); ``--speculative-algorithm none``
+    serves it plainly; a named model is served as asked. ``run_serve`` is replaced: no server starts."""
+    import dflash2.fast.serve.server as server
+
+    seen = []
+    monkeypatch.setattr(server, "run_serve", lambda config, settings, model_given=None: seen.append(config) or 0)
+    assert ft(["serve"]) == 0
+    assert ft(["serve", "--speculative-algorithm", "none"]) == 0
+    assert ft(["serve", "--model", str(models.bundled_target())]) == 0
+    assert [c.speculative_algorithm for c in seen] == ["dflash", "none", "none"]
+    assert seen[0].speculative_draft_model_path == str(models.bundled_draft())

@@ -244,9 +244,10 @@ def test_mtp_on_a_target_without_an_mtp_head(ft, forward_calls, made):
     assert_refused(run, forward_calls, "mtp_num_hidden_layers=0", "no MTP head")
 
 
-def test_mtp_num_steps_zero(ft, forward_calls, made):
-    run = ft(*spec(made, "tiny-moe", "--speculative-algorithm", "mtp", "--speculative-num-steps", "0"))
-    assert_refused(run, forward_calls, "speculative_num_steps=0", ">= 1")
+@pytest.mark.parametrize("steps", ["0", "8", "99"])
+def test_mtp_num_steps_outside_its_bound(ft, forward_calls, made, steps):
+    run = ft(*spec(made, "tiny-moe", "--speculative-algorithm", "mtp", "--speculative-num-steps", steps))
+    assert_refused(run, forward_calls, f"speculative_num_steps={steps}", "1 .. 7")
 
 
 @pytest.mark.parametrize("steps", ["0", "8", "-1"])
@@ -318,7 +319,7 @@ def test_draft_tensor_of_the_wrong_shape(ft, forward_calls, made, draft_copy):
     (["generate", "--model", "m", "--prompt-ids", "1", "--speculative-algorithm", "eagle"], "--speculative-algorithm"),
 ])
 def test_argparse_refusals(capsys, argv, needle):
-    from dflash2.fast.cli import main
+    from dflash2.cli.main import main
 
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -326,3 +327,18 @@ def test_argparse_refusals(capsys, argv, needle):
     err = capsys.readouterr().err
     assert err.splitlines()[-1].startswith("ft generate: error:") and needle in err.splitlines()[-1]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:7"])
+def test_a_cuda_device_this_machine_lacks_is_one_line(ft, made, device):
+    """``--device cuda`` where torch sees fewer CUDA devices: one line naming the field, status 2, no traceback."""
+    import torch
+
+    if torch.cuda.device_count() > 7:
+        pytest.skip("this machine has the device")
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    run = ft("generate", "--model", str(made("tiny-dense").target), "--prompt-ids", "1,2", "--device", device)
+    assert run.code == 2 and run.out == "" and "Traceback" not in run.err
+    lines = run.err.splitlines()
+    assert len(lines) == 1 and f"device={device!r}" in lines[0], run.err

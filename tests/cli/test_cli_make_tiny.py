@@ -70,7 +70,7 @@ def test_make_tiny_refuses_an_unknown_preset(ft):
 
 
 def test_help_lists_every_preset_and_flag(capsys):
-    from dflash2.fast.cli import main
+    from dflash2.cli.main import main
 
     with pytest.raises(SystemExit) as exc:
         main(["make-tiny", "--help"])

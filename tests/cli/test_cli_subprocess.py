@@ -1,4 +1,4 @@
-"""The installed ``ft`` console script and ``python -m dflash2.fast`` as a user runs them: real exit
+"""The installed ``ft`` console script and ``python -m dflash2.cli`` as a user runs them: real exit
 codes, one-line errors with no traceback, JSON on stdout. Kept to a few processes, run concurrently:
 each spends ~2 s of CPU importing torch and transformers (the in-process tests cover the rest)."""
 
@@ -30,12 +30,12 @@ def results(made, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     prompt = ["--prompt-ids", "5,17,42,99,3"]
     commands = {
-        "help": [sys.executable, "-m", "dflash2.fast", "--help"],
+        "help": [sys.executable, "-m", "dflash2.cli", "--help"],
         "greedy": [FT, "generate", "--model", str(dense.target), *prompt, "--temperature", "0", "--max-tokens", "6",
                    "--ignore-eos", "--json", "--speculative-algorithm", "dflash",
                    "--speculative-draft-model-path", str(dense.draft)],
         "missing_tensor": [FT, "generate", "--model", str(broken), *prompt],
-        "bad_top_p": [sys.executable, "-m", "dflash2.fast", "generate", "--model", str(dense.target), *prompt,
+        "bad_top_p": [sys.executable, "-m", "dflash2.cli", "generate", "--model", str(dense.target), *prompt,
                       "--top-p", "1.5"],
         "argparse": [FT, "generate", "--model", str(dense.target), "--prompt-ids", "1,x"],
     }

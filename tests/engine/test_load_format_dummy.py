@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from dflash2.fast.cli import main
+from dflash2.cli.main import main
 from dflash2.fast.llm import LLM, SamplingParams
 from dflash2.reference.formats.config import load_target_config
 from dflash2.reference.formats.draft_config import load_draft_config

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dflash2.fast.cli import main
+from dflash2.cli.main import main
 
 FT = str(Path(sys.executable).parent / "ft")
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from dflash2.fast.cli import main as ft_main
+from dflash2.cli.main import main as ft_main
 from dflash2.fast.engine import engine as engine_module
 from dflash2.reference.request.stopping import Stopper
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash2.fast.cli import main as ft
+from dflash2.cli.main import main as ft
 from dflash2.train.corpus import build_corpus
 from dflash2.train.corpus_sources import Source
 

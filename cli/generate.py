@@ -1,15 +1,6 @@
-"""The ``ft`` command line.
-
-``ft generate``  decode one prompt on the fast engine (``--engine reference`` runs the fp32
-                 executable spec instead; the flags, ``--json`` and ``--trace`` are the same);
-``ft serve``     an OpenAI-compatible server on the fast engine (``fast/serve/``), with the engine
-                 and speculative flags of ``ft generate``;
-``ft make-tiny`` write a tiny random checkpoint in real HF format (tests, demos);
-``ft bench``     benchmarks at real shapes (``bench/``); ``ft train`` the training recipe (``train/``).
-
-User errors (bad paths, configs, checkpoints, sampling parameters) print one line to stderr and
-exit with status 2; anything else is a bug and keeps its traceback. Flag defaults are read from
-the dataclasses they fill, so there is one source of truth.
+"""``ft generate``: decode one prompt on the fast engine, or with ``--engine reference`` on the fp32 executable
+spec (the flags, ``--json`` and ``--trace`` are the same). Flag defaults are read from the dataclasses they
+fill (``SamplingParams``, ``EngineConfig``).
 """
 
 from __future__ import annotations
@@ -18,15 +9,15 @@ import argparse
 import json
 import sys
 from dataclasses import fields
-from typing import Sequence
 
 from dflash2.reference.formats.errors import UserInputError
 from dflash2.reference.request.sampling_params import SamplingParams
 
-from .engine.config import add_engine_args
+from dflash2.fast.engine.config import add_engine_args
 
 ENGINES = ("fast", "reference")
 ALGORITHMS = ("none", "mtp", "dflash")
+K_HELP = "drafts per verify step k (default: block_size - 1 for dflash, 3 for mtp)"
 
 
 def _default(field_name: str):
@@ -40,7 +31,14 @@ def _prompt_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-ids {text!r}: expected comma-separated integers") from None
 
 
-def _add_generate(sub: argparse._SubParsersAction) -> None:
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """``--speculative-algorithm``, ``--speculative-draft-model-path``, ``--speculative-num-steps`` (k)."""
+    p.add_argument("--speculative-algorithm", choices=ALGORITHMS, default="none")
+    p.add_argument("--speculative-draft-model-path", default=None, help="DFlash 2 draft checkpoint folder")
+    p.add_argument("--speculative-num-steps", type=int, default=None, help=K_HELP)
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="decode one prompt")
     p.add_argument("--model", default=None,
                    help="target checkpoint folder (HF format; default: the bundled trained pair, models/)")
@@ -59,76 +57,24 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--n", type=int, default=1, help="independent samples of the prompt (seeds derived from --seed)")
-    p.add_argument("--speculative-algorithm", choices=ALGORITHMS, default="none")
-    p.add_argument("--speculative-draft-model-path", default=None, help="DFlash 2 draft checkpoint folder")
-    p.add_argument("--speculative-num-steps", type=int, default=None,
-                   help="drafts per verify step k (default: block_size - 1 for dflash, 3 for mtp)")
+    add_speculative_args(p)
     p.add_argument("--trace", default=None, help="write one JSON line per verify step to this file")
     p.add_argument("--compare-plain", action="store_true",
                    help="also decode the prompt without speculation and print the speedup (fast engine)")
     add_engine_args(p.add_argument_group("fast engine (EngineConfig)"))
-    p.set_defaults(func=_run_generate)
+    p.set_defaults(func=run_generate)
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve the OpenAI API (chat and text completions) on the fast engine")
-    p.add_argument("--model", default=None,
-                   help="target checkpoint folder (HF format; default: the bundled trained pair, models/)")
-    p.add_argument("--speculative-algorithm", choices=ALGORITHMS, default="none")
-    p.add_argument("--speculative-draft-model-path", default=None, help="DFlash 2 draft checkpoint folder")
-    p.add_argument("--speculative-num-steps", type=int, default=None,
-                   help="drafts per verify step k (default: block_size - 1 for dflash, 3 for mtp)")
-    engine = p.add_argument_group("fast engine (EngineConfig)")
-    add_engine_args(engine)
-    engine.add_argument("--max-running-requests", dest="max_running_req", type=int, default=argparse.SUPPRESS,
-                        help="the same as --max-running-req")
-    from .serve.server import add_serve_args  # argparse only: fastapi and uvicorn load when serving
-
-    add_serve_args(p.add_argument_group("server"))
-    p.set_defaults(func=_run_serve)
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    from .serve.server import run_serve
-
-    return run_serve(args)
-
-
-def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
-    from dflash2.reference.tiny.target import PRESETS
-
-    p = sub.add_parser("make-tiny", help="write a tiny random checkpoint in real HF format")
-    p.add_argument("--out", required=True, help="folder to write (created)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny-dense")
-    p.add_argument("--seed", type=int, default=None, help="weight seed (default: the preset's)")
-    p.add_argument("--draft-out", default=None, help="also write a tiny random DFlash 2 draft for it here")
-    p.set_defaults(func=_run_make_tiny)
-
-
-def _run_make_tiny(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from dflash2.reference.tiny.target import PRESETS, write_tiny_target
-
-    spec = PRESETS[args.preset]
-    if args.seed is not None:
-        spec = replace(spec, seed=args.seed)
-    path = write_tiny_target(args.out, spec)
-    print(f"wrote {args.preset} to {path}")
-    if args.draft_out:
-        from dflash2.reference.tiny.draft import write_tiny_draft
-
-        draft = write_tiny_draft(args.draft_out, path, seed=spec.seed)
-        print(f"wrote a DFlash 2 draft for it to {draft}")
-    return 0
+def _verify_steps(result) -> int:
+    """Verify steps of a result: the fast engine counts them (it keeps their records only with --trace)."""
+    return getattr(result, "verify_steps", None) or len(result.steps)
 
 
 def _sample_json(index: int, seed: int, result, speculative: bool) -> dict:
     sample = {"index": index, "seed": seed, "token_ids": result.token_ids, "text": result.text,
               "finish_reason": result.finish_reason, "timing": result.timing}
     if speculative:
-        # the fast engine counts its steps (it keeps their records only with --trace)
-        sample["verify_steps"] = getattr(result, "verify_steps", None) or len(result.steps)
+        sample["verify_steps"] = _verify_steps(result)
         sample["tokens_per_step"] = result.tokens_per_step
     return sample
 
@@ -140,7 +86,7 @@ def _open_trace(path: str):
         raise UserInputError(f"trace={path!r}: expected a writable file path ({exc.strerror})") from None
 
 
-def _run_generate(args: argparse.Namespace) -> int:
+def run_generate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from dflash2.reference.request.rng import derive_seed
@@ -178,7 +124,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     try:
         if args.engine == "fast":  # the --n samples run as one continuous batch
             if args.compare_plain:  # first-call costs stay out of the timed run, as on the plain side
-                from .compare import WARMUP_TOKENS
+                from dflash2.fast.compare import WARMUP_TOKENS
 
                 runner.generate_all(prompt_ids, [replace(params, max_tokens=WARMUP_TOKENS)])
             results = runner.generate_all(prompt_ids, [replace(params, seed=seed) for seed in seeds])
@@ -193,7 +139,7 @@ def _run_generate(args: argparse.Namespace) -> int:
             trace.close()
     comparison = None
     if args.compare_plain:
-        from .compare import compare_with_plain
+        from dflash2.fast.compare import compare_with_plain
 
         comparison = compare_with_plain(runner.llm, prompt_ids, params, results[0])
     if args.json:
@@ -207,8 +153,13 @@ def _run_generate(args: argparse.Namespace) -> int:
     else:
         for result in results:
             print(result.text)
+        if args.speculative_algorithm != "none":  # the text alone would not show that speculation ran
+            steps = [_verify_steps(r) for r in results]
+            per_step = sum(r.tokens_per_step * n for r, n in zip(results, steps)) / max(sum(steps), 1)
+            print(f"{args.speculative_algorithm} k={runner.num_steps}: {per_step:.2f} tokens per verify step "
+                  f"({sum(steps)} steps, {args.engine} engine)", file=sys.stderr)
         if comparison:
-            from .compare import format_comparison
+            from dflash2.fast.compare import format_comparison
 
             print("\n" + format_comparison(comparison))
     return 0
@@ -218,8 +169,8 @@ class _FastRunner:
     """``ft generate --engine fast``: the fast engine behind the reference runner's three calls."""
 
     def __init__(self, args: argparse.Namespace):
-        from .engine.config import engine_config_from_args
-        from .llm import LLM
+        from dflash2.fast.engine.config import engine_config_from_args
+        from dflash2.fast.llm import LLM
 
         config = engine_config_from_args(args)
         self.model_path = config.model_path
@@ -246,31 +197,3 @@ class _FastRunner:
             if out.error is not None:
                 raise UserInputError(out.error)
         return outputs
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ft", description="dflash2: DFlash 2 speculative decoding")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub)
-    _add_serve(sub)
-    _add_make_tiny(sub)
-    from dflash2.bench.cli import add_bench  # the benchmark lives in bench/ (dflash2.bench)
-
-    add_bench(sub)
-    from dflash2.train.cli import add_train  # the training recipe lives in train/ (dflash2.train)
-
-    add_train(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except UserInputError as exc:
-        print(f"ft {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

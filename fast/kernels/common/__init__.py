@@ -1,0 +1,1 @@
+"""What every kernel family shares: the one dispatcher (``dispatch``), the Triton stand-ins (``triton_compat``), programmatic dependent launch (``pdl``), zeroed ticket counters (``tickets``) and the registry of kernel twins (``registry``)."""
