@@ -55,15 +55,15 @@ class SimulatedVerifier:
         """The next step's count, written to the device scalar (one small copy on the step's stream)."""
         self.keep.fill_(self.schedule())
 
-    def __call__(self, logits: Tensor, proposal: DraftProposal, num_drafts: Sequence[int], st: SamplingTensors,
+    def __call__(self, logits: Tensor, proposal: DraftProposal, ks: Sequence[int], st: SamplingTensors,
                  anchor_positions: Tensor) -> VerifyOutput:
-        real = self.inner(logits, proposal, num_drafts, st, anchor_positions)
+        real = self.inner(logits, proposal, ks, st, anchor_positions)
         drafts = proposal.tokens  # [B, k]
         if drafts.shape[1] == 0:
             return real
-        if len(set(num_drafts)) == 1:
-            kept = self.keep.clamp(max=num_drafts[0]).expand(drafts.shape[0])
+        if len(set(ks)) == 1:
+            kept = self.keep.clamp(max=ks[0]).expand(drafts.shape[0])
         else:
-            kept = torch.minimum(self.keep, torch.tensor(list(num_drafts), device=drafts.device))
+            kept = torch.minimum(self.keep, torch.tensor(list(ks), device=drafts.device))
         # the correction token a real step emits after its kept drafts: here a draft token, as good as any
         return VerifyOutput(kept.clone(), torch.cat([drafts, drafts[:, :1]], dim=1))

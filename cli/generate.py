@@ -114,7 +114,7 @@ def run_generate(args: argparse.Namespace) -> int:
                                                 args.speculative_draft_model_path)
         runner = ReferenceRunner(args.model, speculative_algorithm=args.speculative_algorithm,
                                  draft_model_path=draft,
-                                 num_steps=args.speculative_num_steps)
+                                 k=args.speculative_num_steps)
     if args.prompt is not None:
         prompt_ids = runner.encode(args.prompt, chat=args.chat)
     else:
@@ -146,7 +146,7 @@ def run_generate(args: argparse.Namespace) -> int:
         speculative = args.speculative_algorithm != "none"
         samples = [_sample_json(i, seed, r, speculative) for i, (seed, r) in enumerate(zip(seeds, results))]
         print(json.dumps({"engine": args.engine, "speculative_algorithm": args.speculative_algorithm,
-                          "num_steps": runner.num_steps, "prompt_token_ids": list(prompt_ids),
+                          "num_steps": runner.k, "prompt_token_ids": list(prompt_ids),
                           "token_ids": results[0].token_ids, "text": results[0].text,
                           "finish_reason": results[0].finish_reason, "timing": results[0].timing,
                           "samples": samples, **({"comparison": comparison} if comparison else {})}))
@@ -156,7 +156,7 @@ def run_generate(args: argparse.Namespace) -> int:
         if args.speculative_algorithm != "none":  # the text alone would not show that speculation ran
             steps = [_verify_steps(r) for r in results]
             per_step = sum(r.tokens_per_step * n for r, n in zip(results, steps)) / max(sum(steps), 1)
-            print(f"{args.speculative_algorithm} k={runner.num_steps}: {per_step:.2f} tokens per verify step "
+            print(f"{args.speculative_algorithm} k={runner.k}: {per_step:.2f} tokens per verify step "
                   f"({sum(steps)} steps, {args.engine} engine)", file=sys.stderr)
         if comparison:
             from dflash2.fast.compare import format_comparison
@@ -175,7 +175,7 @@ class _FastRunner:
         config = engine_config_from_args(args)
         self.model_path = config.model_path
         self.llm = LLM.from_config(config, trace=bool(args.trace))
-        self.num_steps = self.llm.num_steps
+        self.k = self.llm.k
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         from pathlib import Path

@@ -31,7 +31,7 @@ def compare_with_plain(llm, prompt_ids: list[int], params, speculative_result) -
     spec_speed, plain_speed = decode_tokens_per_s(speculative_result), decode_tokens_per_s(plain_result)
     return {
         "speculative_algorithm": llm.config.speculative_algorithm,
-        "num_steps": llm.num_steps,
+        "num_steps": llm.k,
         "tokens_per_step": round(speculative_result.tokens_per_step, 3),
         "speculative_tokens_per_s": round(spec_speed, 1) if spec_speed else None,
         "plain_tokens_per_s": round(plain_speed, 1) if plain_speed else None,

@@ -58,8 +58,8 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     @property
-    def num_steps(self) -> int | None:
-        return self.engine.num_steps
+    def k(self) -> int | None:
+        return self.engine.k
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

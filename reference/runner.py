@@ -27,48 +27,48 @@ class ReferenceRunner:
     """
 
     def __init__(self, model_path: str | Path, speculative_algorithm: str = "none",
-                 draft_model_path: str | Path | None = None, num_steps: int | None = None):
+                 draft_model_path: str | Path | None = None, k: int | None = None):
         self.model_path = Path(model_path)
         expect(speculative_algorithm in SPECULATIVE_ALGORITHMS, ConfigError, "speculative_algorithm",
                speculative_algorithm, f"one of {SPECULATIVE_ALGORITHMS}")
         if speculative_algorithm != "dflash" and draft_model_path:
             raise ConfigError(f"speculative_draft_model_path={str(draft_model_path)!r}: only used with "
                               f"speculative_algorithm 'dflash', got {speculative_algorithm!r}")
-        if speculative_algorithm == "none" and num_steps is not None:
-            raise ConfigError(f"speculative_num_steps={num_steps!r}: only used with speculative_algorithm "
+        if speculative_algorithm == "none" and k is not None:
+            raise ConfigError(f"speculative_num_steps={k!r}: only used with speculative_algorithm "
                               "'mtp' or 'dflash'")
         cfg, weights = load_target(self.model_path)
         self.algorithm = speculative_algorithm
         self.target = ReferenceTarget(cfg, weights)
-        self.num_steps: int | None = None
+        self.k: int | None = None
         self._new_proposer: Callable[[], Proposer] | None = None
         if speculative_algorithm == "mtp":
-            self._setup_mtp(cfg, weights, num_steps)
+            self._setup_mtp(cfg, weights, k)
         elif speculative_algorithm == "dflash":
-            self._setup_dflash(cfg, weights, draft_model_path, num_steps)
+            self._setup_dflash(cfg, weights, draft_model_path, k)
         self.tokenizer = None
         if has_tokenizer(self.model_path):
             self.tokenizer = load_tokenizer(self.model_path)
             check_tokenizer_fits(self.tokenizer, cfg.vocab_size)
         self.stop_token_ids = eos_token_ids(self.model_path, self.tokenizer)
 
-    def _setup_mtp(self, cfg, weights, num_steps: int | None) -> None:
+    def _setup_mtp(self, cfg, weights, k: int | None) -> None:
         from .model.mtp import ReferenceMTP
         from .speculative.mtp import MTPProposer
 
-        k = resolve_mtp_k(cfg, num_steps)
+        k = resolve_mtp_k(cfg, k)
         mtp = ReferenceMTP(cfg, weights)
-        self.num_steps = k
+        self.k = k
         self._new_proposer = lambda: MTPProposer(mtp)
 
-    def _setup_dflash(self, cfg, weights, draft_model_path, num_steps: int | None) -> None:
+    def _setup_dflash(self, cfg, weights, draft_model_path, k: int | None) -> None:
         from .speculative.dflash import DFlashProposer
         from .model.draft import ReferenceDraft
         from .formats.draft_checkpoint import load_draft
 
-        draft_cfg, draft_weights = load_draft(draft_model_path, cfg, num_steps)
+        draft_cfg, draft_weights = load_draft(draft_model_path, cfg, k)
         draft = ReferenceDraft(draft_cfg, draft_weights, weights)
-        self.num_steps = draft_cfg.num_steps
+        self.k = draft_cfg.k
         self._new_proposer = lambda: DFlashProposer(draft)
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
@@ -87,5 +87,5 @@ class ReferenceRunner:
         decode = self.decode if self.tokenizer is not None else None
         if self._new_proposer is None:
             return generate(self.target, prompt_ids, params, self.stop_token_ids, decode)
-        return speculative_generate(self.target, self._new_proposer(), prompt_ids, params, self.num_steps,
+        return speculative_generate(self.target, self._new_proposer(), prompt_ids, params, self.k,
                                     self.stop_token_ids, decode)

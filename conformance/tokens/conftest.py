@@ -37,13 +37,13 @@ def tiny(tmp_path_factory):
 def reference_runner(tiny):
     cache: dict[tuple, ReferenceRunner] = {}
 
-    def get(preset: str, algorithm: str = "none", num_steps: int | None = None) -> ReferenceRunner:
-        key = (preset, algorithm, num_steps)
+    def get(preset: str, algorithm: str = "none", k: int | None = None) -> ReferenceRunner:
+        key = (preset, algorithm, k)
         if key not in cache:
             t = tiny(preset)
             cache[key] = ReferenceRunner(t.target, speculative_algorithm=algorithm,
                                          draft_model_path=t.draft if algorithm == "dflash" else None,
-                                         num_steps=num_steps)
+                                         k=k)
         return cache[key]
 
     return get

@@ -51,7 +51,7 @@ def test_batched_requests_match_the_reference_alone(tiny, reference_runner, plan
               speculative_draft_model_path=t.draft if algorithm == "dflash" else None, **ENGINE)
     outputs = llm.generate([c.prompt for c in CASES], [c.params for c in CASES])
     runner = reference_runner(preset, algorithm)
-    assert llm.num_steps == runner.num_steps
+    assert llm.k == runner.k
     for i, (case, out) in enumerate(zip(CASES, outputs)):
         ref = runner.generate(case.prompt, case.params)
         assert out.error is None

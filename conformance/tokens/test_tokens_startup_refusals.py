@@ -44,10 +44,10 @@ def cases(tiny, no_mtp, tmp_path):
         "config.json not JSON": (not_json, {}),
         "dflash without a draft": (t.target, dict(speculative_algorithm="dflash")),
         "draft path without dflash": (t.target, dict(speculative_algorithm="mtp", draft=t.draft)),
-        "num_steps without speculation": (t.target, dict(num_steps=3)),
+        "k without speculation": (t.target, dict(k=3)),
         "mtp without an MTP head": (no_mtp, dict(speculative_algorithm="mtp")),
-        "mtp k = 0": (t.target, dict(speculative_algorithm="mtp", num_steps=0)),
-        "dflash k = 8 > block_size - 1": (t.target, dict(speculative_algorithm="dflash", draft=t.draft, num_steps=8)),
+        "mtp k = 0": (t.target, dict(speculative_algorithm="mtp", k=0)),
+        "dflash k = 8 > block_size - 1": (t.target, dict(speculative_algorithm="dflash", draft=t.draft, k=8)),
         "a DFlash 1 draft": (t.target, dict(speculative_algorithm="dflash", draft=dflash1)),
         "a draft of another target": (t.target, dict(speculative_algorithm="dflash", draft=foreign)),
         "unknown algorithm": (t.target, dict(speculative_algorithm="eagle")),
@@ -56,9 +56,9 @@ def cases(tiny, no_mtp, tmp_path):
 
 def test_refusals_equal_the_reference(tiny, no_mtp, tmp_path):
     for name, (path, kw) in cases(tiny, no_mtp, tmp_path).items():
-        algorithm, draft, steps = kw.get("speculative_algorithm", "none"), kw.get("draft"), kw.get("num_steps")
+        algorithm, draft, steps = kw.get("speculative_algorithm", "none"), kw.get("draft"), kw.get("k")
         expected = refusal(lambda: ReferenceRunner(path, speculative_algorithm=algorithm, draft_model_path=draft,
-                                                   num_steps=steps))
+                                                   k=steps))
         got = refusal(lambda: LLM(path, speculative_algorithm=algorithm, speculative_draft_model_path=draft,
                                   speculative_num_steps=steps))
         assert got == expected, name

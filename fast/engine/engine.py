@@ -79,7 +79,7 @@ class RequestDelta:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked for them
-    num_drafts: int = 0  # drafts verified for this request by this step (speculative steps)
+    k: int = 0  # drafts verified for this request by this step (speculative steps)
     num_accepted: int | None = None  # of those, accepted (None: not a verify step)
     error: str | None = None  # finish_reason "error": why
     text: str | None = None  # the final text (stop strings cut), once finished
@@ -132,8 +132,8 @@ class Engine:
         self._top_logprobs: dict[int, int] = {}  # request id -> alternatives per token, for those that asked
 
     @property
-    def num_steps(self) -> int | None:
-        return self.model.num_steps or None
+    def k(self) -> int | None:
+        return self.model.k or None
 
     @property
     def max_model_len(self) -> int:
@@ -143,7 +143,7 @@ class Engine:
         cfg = self.config
         return Scheduler(max_running_req=cfg.max_running_req, max_num_batched_tokens=cfg.max_num_batched_tokens,
                          page_size=cfg.page_size, num_pages=self.model.memory.num_pages,
-                         num_steps=self.model.num_steps, max_model_len=self.model.max_model_len)
+                         k=self.model.k, max_model_len=self.model.max_model_len)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -336,10 +336,10 @@ class Engine:
                 if token is not None:
                     chunk.req.first_token_s = time.perf_counter()
                     deltas.append(self._commit(chunk.req, [token], lp))
-        elif self.model.num_steps:
+        elif self.model.k:
             results = self.runner.verify(plan, top_logprobs=self._wanted_logprobs(plan.reqs))
             logprobs = self.runner.logprobs or [None] * len(plan.reqs)
-            for req, k, result, lp in zip(plan.reqs, plan.num_drafts, results, logprobs):
+            for req, k, result, lp in zip(plan.reqs, plan.ks, results, logprobs):
                 req.num_verify_steps += 1
                 req.num_emitted += len(result.emitted)
                 if result.trace is not None:
@@ -360,7 +360,7 @@ class Engine:
         wanted = [self._top_logprobs.get(r.rid) for r in reqs]
         return wanted if any(n is not None for n in wanted) else None
 
-    def _commit(self, req: Req, tokens: list[int], logprobs: list[TokenLogprob] | None, num_drafts: int = 0,
+    def _commit(self, req: Req, tokens: list[int], logprobs: list[TokenLogprob] | None, k: int = 0,
                 num_accepted: int | None = None) -> RequestDelta:
         """Append committed tokens and end the request where the reference would
         (``reference/request/stopping.py``); an exception here fails this request alone."""
@@ -378,19 +378,19 @@ class Engine:
         new = req.output_ids[before:]
         logprobs = None if logprobs is None else logprobs[:len(new)]
         if reason is None:
-            return RequestDelta(req.rid, new, logprobs=logprobs, num_drafts=num_drafts, num_accepted=num_accepted)
+            return RequestDelta(req.rid, new, logprobs=logprobs, k=k, num_accepted=num_accepted)
         req.finish_s = time.perf_counter()
         self.scheduler.finish(req, reason, req.error)
-        return self._finished(req, new, logprobs, num_drafts, num_accepted)
+        return self._finished(req, new, logprobs, k, num_accepted)
 
-    def _finished(self, req: Req, new: list[int], logprobs: list[TokenLogprob] | None, num_drafts: int = 0,
+    def _finished(self, req: Req, new: list[int], logprobs: list[TokenLogprob] | None, k: int = 0,
                   num_accepted: int | None = None) -> RequestDelta:
         """Forget a request the scheduler has just finished; its last delta."""
         self._live.pop(req.rid, None)
         self._top_logprobs.pop(req.rid, None)
         if req.finish_s is None:
             req.finish_s = time.perf_counter()
-        return RequestDelta(req.rid, new, True, req.finish_reason, logprobs, num_drafts, num_accepted, req.error,
+        return RequestDelta(req.rid, new, True, req.finish_reason, logprobs, k, num_accepted, req.error,
                             req.text)
 
     def _output(self, req: Req) -> RequestOutput:

@@ -3,7 +3,7 @@
 For a committed token t drawn from the logits row z (the row that predicts its position), with the
 request's sampling parameters (T, top_k, top_p):
 
-    p = target_probs(z)             the filtered distribution the sampler draws from (``kernels/sampler.py``)
+    p = target_probs(z)             the filtered distribution the sampler draws from (``kernels/sampling/sampler.py``)
     logprob(t) = log p[t]
     top_logprobs = the n largest log p[j], probability descending, token id ascending on ties
 

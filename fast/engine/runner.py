@@ -8,7 +8,7 @@ Three kinds of step (``Scheduler.schedule``):
   token at position n = len(prompt) with the key (seed, n, SAMPLE, 0);
 - plain decode: one row per request, the anchor at s; the next token is sampled at s + 1 with
   (seed, s + 1, SAMPLE, 0). A captured target forward (``graph_step.TargetGraphs``) where the batch fits one;
-- verify: a speculative step (``fast/speculative/step.py``) for every request, k_b = ``plan.num_drafts[b]``
+- verify: a speculative step (``fast/speculative/step.py``) for every request, k_b = ``plan.ks[b]``
   drafts each (a request near its end drafts fewer, which is what it would draft alone: every slot's draw is
   keyed by its own slot). A captured whole step (``graph_step.StepGraphs``) when every request drafts the same
   k and neither a trace nor logprobs are asked for; otherwise eagerly, with the batch's largest k proposed and
@@ -146,22 +146,22 @@ class ModelRunner:
         return sampled.tolist()
 
     def verify(self, plan: DecodePlan, top_logprobs: Sequence[int | None] | None = None) -> list[VerifyResult]:
-        """One speculative step for every request of the plan (per-request k_b = ``plan.num_drafts``)."""
+        """One speculative step for every request of the plan (per-request k_b = ``plan.ks``)."""
         self.epoch += 1
         self.logprobs = None
-        reqs, num_drafts = plan.reqs, plan.num_drafts
-        k = max(num_drafts)
+        reqs, ks = plan.reqs, plan.ks
+        k = max(ks)
         if (self.step_graphs is not None and top_logprobs is None and not self.trace and k
-                and min(num_drafts) == k):
+                and min(ks) == k):
             graphed = self._verify_graphed(reqs, k)
             if graphed is not None:
                 return graphed
-        return self._verify_eager(reqs, num_drafts, top_logprobs)
+        return self._verify_eager(reqs, ks, top_logprobs)
 
-    def _verify_eager(self, reqs: Sequence[Req], num_drafts: Sequence[int],
+    def _verify_eager(self, reqs: Sequence[Req], ks: Sequence[int],
                       top_logprobs: Sequence[int | None] | None) -> list[VerifyResult]:
         spec, eager = self.spec, self.eager
-        k = max(num_drafts)
+        k = max(ks)
         rows = k + 1
         st = self.sampling([r.params for r in reqs])
         anchor_list = [r.anchor_position for r in reqs]
@@ -172,9 +172,9 @@ class ModelRunner:
         proposal = spec.propose(anchor_tokens, anchors, slots, tables, k, st)
         draft_tokens = proposal.tokens  # [B, k]
         # rows of request b: b * (k+1) + 0..k_b of [anchor, y_1..y_k]; padded back the same way
-        flat_rows = [b * rows + i for b, kb in enumerate(num_drafts) for i in range(kb + 1)]
+        flat_rows = [b * rows + i for b, kb in enumerate(ks) for i in range(kb + 1)]
         token_ids = torch.cat([anchor_tokens[:, None], draft_tokens], dim=1).reshape(-1)[eager.tensor(flat_rows)]
-        lengths = [kb + 1 for kb in num_drafts]
+        lengths = [kb + 1 for kb in ks]
         key = self._graph_key(reqs, lengths[0], True) if len(set(lengths)) == 1 else None
         if key is not None:  # a uniform step: the captured verify forward
             batch, out = self.graphs.run(key, token_ids, starts=anchor_list, slots=[r.slot for r in reqs],
@@ -183,9 +183,9 @@ class ModelRunner:
             batch, out = eager.forward(reqs, anchor_list, lengths, token_ids, is_verify=True,
                                        logits_rows=range(len(flat_rows)), block_tables=tables)
         starts = torch.tensor([0] + lengths).cumsum(0).tolist()
-        padded = [starts[b] + min(i, kb) for b, kb in enumerate(num_drafts) for i in range(rows)]
+        padded = [starts[b] + min(i, kb) for b, kb in enumerate(ks) for i in range(rows)]
         logits = out.logits[eager.tensor(padded)].reshape(len(reqs), rows, -1)  # [B, k+1, V]
-        result = spec.verifier(logits, proposal, num_drafts, st, anchors)
+        result = spec.verifier(logits, proposal, ks, st, anchors)
         spec.commit_and_observe(batch, out, result.num_accepted)
         accepted, emitted = result.num_accepted.tolist(), result.emitted.tolist()
         if top_logprobs is not None:  # the committed tokens sit at rows 0..num_accepted of each request
@@ -200,7 +200,7 @@ class ModelRunner:
                                     proposal.draft_probs.tolist())
             traces = [StepRecord(anchor_list[b], draft_tokens[b, :kb].tolist(), cands[b][:kb], probs[b][:kb],
                                  argmax[b][:kb + 1], accepted[b], emitted[b][:accepted[b] + 1])
-                      for b, kb in enumerate(num_drafts)]
+                      for b, kb in enumerate(ks)]
         return [VerifyResult(a, e[:a + 1], t) for a, e, t in zip(accepted, emitted, traces)]
 
     def _verify_graphed(self, reqs: Sequence[Req], k: int) -> list[VerifyResult] | None:

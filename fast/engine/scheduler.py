@@ -105,7 +105,7 @@ class PrefillPlan:
 @dataclass(frozen=True)
 class DecodePlan:
     reqs: list[Req]
-    num_drafts: list[int]  # k per request (0 for plain decoding)
+    ks: list[int]  # k per request (0 for plain decoding)
 
 
 class PageAllocator:
@@ -144,11 +144,11 @@ class Scheduler:
     """Queues, admission, chunking and resource accounting; no tensors (the runner builds those)."""
 
     def __init__(self, *, max_running_req: int, max_num_batched_tokens: int, page_size: int, num_pages: int,
-                 num_steps: int = 0, max_model_len: int):
+                 k: int = 0, max_model_len: int):
         self.max_running_req = max_running_req
         self.max_num_batched_tokens = max_num_batched_tokens
         self.page_size = page_size
-        self.num_steps = num_steps  # k of a speculative step, 0 for plain decoding
+        self.k = k  # k of a speculative step, 0 for plain decoding
         self.max_model_len = max_model_len
         self.pages = PageAllocator(num_pages)
         self.free_slots: deque[int] = deque(range(max_running_req))
@@ -198,16 +198,16 @@ class Scheduler:
         decoding = [r for r in self.running if r.prefill_done]
         if not decoding:
             return None
-        num_drafts = [self.drafts_for(r) for r in decoding]
-        for req, k in zip(decoding, num_drafts):
+        ks = [self.drafts_for(r) for r in decoding]
+        for req, k in zip(decoding, ks):
             self.ensure_pages(req, req.anchor_position + k + 1)
-        return DecodePlan(decoding, num_drafts)
+        return DecodePlan(decoding, ks)
 
     def drafts_for(self, req: Req) -> int:
         """k for this request's next verify (``reference/speculative/loop.py``): a step emits up to k + 1
         tokens, so draft no further than the request's end; with one token left, k = 0 and the step
         emits the target's own (bonus) token."""
-        return min(self.num_steps, req.max_new_tokens - len(req.output_ids) - 1)
+        return min(self.k, req.max_new_tokens - len(req.output_ids) - 1)
 
     def _schedule_prefill(self) -> PrefillPlan | None:
         budget = self.max_num_batched_tokens

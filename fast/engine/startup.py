@@ -43,7 +43,7 @@ class LoadedModel:
     target: FastTarget
     pools: CachePools
     proposer: Proposer | None
-    num_steps: int  # k per verify; 0 without speculative decoding
+    k: int  # k per verify; 0 without speculative decoding
     max_model_len: int
     memory: MemoryPlan
     tokenizer: object | None
@@ -64,9 +64,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     max_model_len = cfg.max_model_len or target_cfg.max_position_embeddings
     expect(max_model_len <= target_cfg.max_position_embeddings, ConfigError, "max_model_len", max_model_len,
            f"at most the model's context of {target_cfg.max_position_embeddings} tokens")
-    num_steps, draft_cfg, draft_weights = 0, None, None
+    k, draft_cfg, draft_weights = 0, None, None
     if cfg.speculative_algorithm == "mtp":
-        num_steps = resolve_mtp_k(target_cfg, cfg.speculative_num_steps)
+        k = resolve_mtp_k(target_cfg, cfg.speculative_num_steps)
     elif cfg.speculative_algorithm == "dflash":
         if dummy:
             draft_cfg = load_draft_config(cfg.speculative_draft_model_path, target_cfg, cfg.speculative_num_steps)
@@ -74,7 +74,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         else:
             draft_cfg, draft_weights = load_draft(cfg.speculative_draft_model_path, target_cfg,
                                                   cfg.speculative_num_steps)
-        num_steps = draft_cfg.num_steps
+        k = draft_cfg.k
     tokenizer = None
     if has_tokenizer(cfg.model_path):
         tokenizer = load_tokenizer(cfg.model_path)
@@ -96,7 +96,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         cache_budget_bytes(cfg, device), page_size=cfg.page_size, num_slots=num_slots, max_model_len=max_model_len,
         kv_bytes_per_token=kv_bytes_per_token(target_cfg, dtype, use_mtp),
         state_bytes_per_slot=gdn_bytes_per_slot(target_cfg, dtype)
-        + verify_bytes_per_seq(target_cfg, dtype, num_steps + 1),
+        + verify_bytes_per_seq(target_cfg, dtype, k + 1),
         draft_bytes_per_slot=ring_bytes + window_bytes,
         # on CUDA the budget is everything within memory_ratio, so the draft's temporaries come out of it;
         # on CPU cpu_cache_bytes budgets the caches alone
@@ -104,12 +104,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
             draft_cfg, dtype, max_num_batched_tokens=cfg.max_num_batched_tokens, num_slots=num_slots),
         budget_field="memory_ratio" if device.type == "cuda" else "cpu_cache_bytes")
     log_plan(plan, draft_ring_bytes=ring_bytes, draft_window_bytes=window_bytes)
-    pools = CachePools(target_cfg, plan.num_pages, cfg.page_size, num_slots, num_steps + 1, dtype, device,
+    pools = CachePools(target_cfg, plan.num_pages, cfg.page_size, num_slots, k + 1, dtype, device,
                        mtp=use_mtp)
     proposer = None
     if draft is not None:
         proposer = FastDFlashProposer(draft, num_slots)
     elif mtp is not None:
         proposer = FastMTPProposer(mtp, pools)
-    return LoadedModel(cfg, target_cfg, target, pools, proposer, num_steps, max_model_len, plan, tokenizer,
+    return LoadedModel(cfg, target_cfg, target, pools, proposer, k, max_model_len, plan, tokenizer,
                        stop_token_ids)

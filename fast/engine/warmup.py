@@ -2,10 +2,9 @@
 
 On CUDA the first use of a shape compiles its Triton kernels (about a second each on a machine
 whose Triton cache is cold) and captures its CUDA graph (two eager runs and a capture per batch
-bucket). A server that listens cold makes its first clients pay for all of it: measured on the
-H200 with one 1-token warm-up request, the first 16 requests of a load run (512-token prompts,
-MoE shape) waited 45-48 s for their first token, the later ones 4.5 s
-(bench/results/2026-12-01-h200-serve/).
+bucket). A server that listens cold makes its first clients pay for all of it: with a single 1-token
+warm-up request the first wave of a load run waited ten times longer for its first token than the
+waves after it (measured: bench/results/2026-12-01-h200-serve/).
 
 ``warm_up`` runs two waves of ``max_running_req`` requests before the server listens, greedy and
 then sampled the way most clients sample (temperature and top-p, top-k off), so the filter's and
@@ -33,7 +32,7 @@ def warm_up(engine: Engine) -> dict:
     """Run the warm-up waves; returns ``{"requests", "seconds"}``. Raises RuntimeError if one fails."""
     cfg = engine.config
     n = cfg.max_running_req
-    stride = (engine.num_steps or 0) + 1
+    stride = (engine.k or 0) + 1
     # a short context (--max-model-len) caps the outputs: warm-up must never be refused for length
     lengths = [max(1, min(stride * (i + 1) + 1, engine.max_model_len - 2)) for i in range(n)]
     longest_output = lengths[-1]

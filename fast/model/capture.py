@@ -1,11 +1,11 @@
 """Cut points of a CUDA-graph capture: places in a step where the capture may end one graph and begin the next.
 
-A graph launch costs host time per kernel node before the GPU runs the first one: on the H200
-(driver 580, torch 2.11) ``replay()`` of a 549-kernel MoE decode step took 0.57 ms of host time,
-and the step's wall time exceeded its GPU time by about that much (scripts/diag/step_trace.py,
-bench/results/2026-12-01-h200-perf2/). A step captured as S graphs replayed back to back pays only
-the first graph's launch before the GPU starts: while the GPU runs graph i, the host launches
-graph i + 1. The graphs share one memory pool and replay in capture order, so a tensor made in one
+A graph launch costs host time per kernel node before the GPU runs the first one: ``replay()`` of a
+whole MoE decode step as one graph spends host time in proportion to its kernels, and the step's wall time
+exceeded its GPU time by about that much (scripts/diag/step_trace.py; measured:
+bench/results/2026-12-01-h200-perf2/trace-35b-a3b-off-host-profile.txt). A step captured as S graphs
+replayed back to back pays only the first graph's launch before the GPU starts: while the GPU runs graph i,
+the host launches graph i + 1. The graphs share one memory pool and replay in capture order, so a tensor made in one
 and read in the next is what it was in the single graph (``fast/engine/graph_step.CapturedStep``).
 
 The first graphs are kept short (:func:`layer_cuts`): the GPU idles until the first launch
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-LAYER_GROUPS = 4  # long graphs a captured target forward is cut into (0.57 ms of launch for 549 kernels, measured)
+LAYER_GROUPS = 4  # long graphs a captured target forward is cut into (a graph's launch grows with its kernels)
 EARLY_CUTS = (1, 3)  # and short ones first: layer 0, then layers 1-2
 
 _cut: Callable[[str | None], None] | None = None

@@ -24,15 +24,16 @@ share its call (a verify of 8 rows, a prefill chunk, a restore of 2047 rows), so
 from the dflash_window equals the live ring bitwise. ``batch_invariant_linear`` gets that from
 one fixed GEMM shape: every K_TILE_ROWS-row tile is its own matmul of the same shape. One matmul
 over all N rows does not: BLAS picks kernels (gemv, split-K) by N, seen on the CPU (MKL) and on
-an H200 (cuBLAS, where a strided-batched bmm over the tiles also varied with the tile count).
+a Hopper GPU (cuBLAS, where a strided-batched bmm over the tiles also varied with the tile count).
 
-Block-side kernels (each a Triton kernel on CUDA and its torch twin elsewhere, dispatched by
-``use_triton``): a conv prepare is ``fast/kernels/draft/dynamic_conv.grouped_dynamic_conv``; each conv
-finish, its residual add ``x + finish(...)`` and the RMSNorm after it (the post-attention norm, the
-next layer's input norm, the final norm) are one ``fast/kernels/draft/conv_finish_norm.conv_finish_norm``
-(the stored weight as the norm's scale), and the first layer's input norm ``norm.add_rms_norm``; q/k
-norms and RoPE are one ``rope.draft_qk_norm_rope`` with cos/sin computed once per ``forward_blocks``
-(every layer, q and k, share the positions); the window attention is
+Block-side kernels (each a Triton kernel on CUDA and its torch twin elsewhere, dispatched by its
+``KernelOp``, fast/kernels/common/dispatch.py): a conv prepare is
+``fast/kernels/draft/dynamic_conv.grouped_dynamic_conv``; each conv finish, its residual add
+``x + finish(...)`` and the RMSNorm after it (the post-attention norm, the next layer's input norm, the
+final norm) are one ``fast/kernels/draft/conv_finish_norm.conv_finish_norm`` (the stored weight as the
+norm's scale), and the first layer's input norm ``fast/kernels/dense/rms_norm.add_rms_norm``; q/k norms
+and RoPE are one ``fast/kernels/attention/attention_prologue.draft_qk_norm_rope`` with cos/sin computed
+once per ``forward_blocks`` (every layer, q and k, share the positions); the window attention is
 ``fast/kernels/draft/ring_attention.ring_attention`` (split-window on CUDA), reading each layer's ring
 ``RingPool.k[layer]``, ``RingPool.v[layer]`` in place.
 
@@ -42,11 +43,11 @@ then that layer's k|v rows of ``context_kv_weight``, copied: the context side ke
 matrix, so its batch-invariant GEMM and its bits are unchanged; about 2*Hkv*D*C elements more per
 layer), read by the prologue and the attention as head views; o_proj; gate and up as one over
 ``gate_up[layer]`` ``[2I, C]`` with ``silu(gate) * up`` as its epilogue (fp32, rounded once to the
-draft dtype; the torch form is ``mlp.swiglu_act_torch`` of the GEMM's output); down. Every layer GEMM
+draft dtype; the torch form is ``swiglu.swiglu_act_torch`` of the GEMM's output); down. Every layer GEMM
 and the context side's fc go through ``fast/kernels/dense/skinny_linear.skinny_linear``: its Triton kernel
-(some configs prefetching their weight into L2 under the previous kernel) where the H200 sweep measured
-it faster than cuBLAS at that shape and row count, cuBLAS otherwise (the 27B draft's q|k|v and o, the
-35B-A3B draft's q|k|v past 8 rows). The LM head stays in cuBLAS (it streams its 1 GB at the floor). The
+(some configs prefetching their weight into L2 under the previous kernel) where its sweep measured it
+faster than cuBLAS at that shape and row count (``H200_TUNED``), cuBLAS otherwise (the 27B draft's q|k|v
+and o, the 35B-A3B draft's q|k|v past 8 rows). The LM head stays in cuBLAS (it streams its 1 GB at the floor). The
 per-name entries of ``self.w`` are views: q_proj into ``block_qkv_weights``, k_proj and v_proj into
 ``context_kv_weight``, gate_proj and up_proj into ``gate_up``. The logits stay in the draft dtype
 (``DraftBlocks.logits``).
@@ -169,7 +170,7 @@ class FastDraft:
     def context_rows(self, features: Tensor) -> Tensor:
         """c = RMSNorm_hidden_norm(W_fc F)  # features [N, m*C] (taps of target_layer_ids, in order) -> [N, C].
 
-        The norm is ``norm.add_rms_norm`` with no update and the stored weight as its scale (Qwen3's
+        The norm is ``rms_norm.add_rms_norm`` with no update and the stored weight as its scale (Qwen3's
         ``w * x / rms(x)`` in fp32, rounded to the draft dtype): one kernel on CUDA, one program per row.
         """
         expected = self.cfg.num_taps * self.cfg.hidden_size

@@ -26,8 +26,8 @@ from .params import Params
 # Rows up to which the shared expert runs as the (k+1)-th pair: one chunk of the MoE kernel's 16 rows. Past it,
 # one program per I tile walks all the shared expert's rows chunk by chunk (the kernel's design), where cuBLAS
 # runs them as one GEMM: with the pair at every size, the MoE shape's DFlash step at 16 requests x 8 verify
-# rows (128 rows) went from 35.7 to 42.1 ms on the H200 while every other step got faster
-# (bench/results/2026-12-01-h200-perf2/; not profiled, and this threshold is not yet measured).
+# rows (128 rows) got slower while every other step got faster (measured: bench/results/2026-12-01-h200-perf2/;
+# not profiled, and this threshold is not yet measured).
 SHARED_PAIR_ROWS = 16
 
 

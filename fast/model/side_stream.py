@@ -15,7 +15,7 @@ a ticket counter: the side stream's kernels draw from ``tickets`` lane 1. The si
 higher priority, meant to let its few-program kernels take multiprocessors as they free up rather than queue
 behind the LM head's waves (whether a captured graph keeps the priority was not measured). The captured MoE
 DFlash step replays faster with the side stream than with the observe in place
-(bench/results/2026-12-03-h200-perf10/). Both orders compute the same values: the observe's inputs are written
+(measured: bench/results/2026-12-03-h200-perf10/). Both orders compute the same values: the observe's inputs are written
 before the fork, its outputs read after the join. On a CPU device, or with ``enabled`` False
 (``EngineConfig.side_stream``: A/B timing and debugging), ``fork`` runs the work at once on the step's own
 stream, at the fork's place in the step.

@@ -131,7 +131,7 @@ class Server:
     def __init__(self, engine: Engine, settings: ServeSettings):
         self.engine, self.settings = engine, settings
         self.tokenizer = engine.tokenizer
-        self.metrics = ServeMetrics(settings.served_model_name, engine.model.num_steps)
+        self.metrics = ServeMetrics(settings.served_model_name, engine.model.k)
         self.loop = EngineLoop(engine, max_queued=settings.max_queued_requests, metrics=self.metrics)
         self.token_strings = TokenStrings(self.tokenizer)
         self.created = int(time.time())

@@ -26,7 +26,7 @@ TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02
 
 
 class ServeMetrics:
-    def __init__(self, model_name: str, num_steps: int = 0):
+    def __init__(self, model_name: str, k: int = 0):
         self.registry = CollectorRegistry()
         r, label = self.registry, ["model_name"]
 
@@ -63,10 +63,10 @@ class ServeMetrics:
                                      label + ["position"], registry=r)
         self.spec_tokens_per_step = histogram("spec_decode_tokens_per_verify_step", "Tokens committed by one "
                                               "request's verify step (accepted drafts + 1)",
-                                              tuple(float(i) for i in range(1, max(num_steps, 1) + 2)))
+                                              tuple(float(i) for i in range(1, max(k, 1) + 2)))
         for reason in ("stop", "length", "abort", "error"):
             self._finished.labels(model_name, reason)
-        for position in range(1, num_steps + 1):
+        for position in range(1, k + 1):
             self._accepted_pos.labels(model_name, str(position))
 
     def finished(self, reason: str) -> None:
@@ -88,7 +88,7 @@ class ServeMetrics:
             tokens += len(d.token_ids)
             if d.num_accepted is not None:
                 self.spec_steps.inc()
-                self.spec_drafts.inc(d.num_drafts)
+                self.spec_drafts.inc(d.k)
                 self.spec_accepted.inc(d.num_accepted)
                 self.spec_tokens_per_step.observe(d.num_accepted + 1)
                 for position in range(1, d.num_accepted + 1):

@@ -53,7 +53,7 @@ def summary(engine, name: str) -> str:
     cfg, plan = engine.config, engine.model.memory
     draft = plan.num_slots * plan.draft_bytes_per_slot / MiB
     return (f"serving {name!r}: model {cfg.model_path}, algorithm {cfg.speculative_algorithm}, "
-            f"k {engine.model.num_steps}, KV {plan.kv_tokens} tokens ({plan.num_pages} pages of {plan.page_size}), "
+            f"k {engine.model.k}, KV {plan.kv_tokens} tokens ({plan.num_pages} pages of {plan.page_size}), "
             f"draft memory {draft:.1f} MiB, device {cfg.device}, dtype {cfg.dtype}, "
             f"{cfg.max_running_req} running requests at most, max_model_len {engine.max_model_len}")
 

@@ -60,8 +60,8 @@ class FastDFlashProposer:
         self.window = WindowPool(num_slots, cfg.sliding_window, cfg.hidden_size, **common)
         p = "candidate_selector."
         # [r, C] in the draft dtype: the walk's g = h P^T runs in fp32, and project_triton converts P as it loads it
-        # (exactly; the same g bit for bit as from an fp32 copy, and faster: 7.1 against 8.4 us at the released
-        # shape, bench/results/2026-12-04-h200-perf13); the torch walk converts it per step
+        # (exactly; the same g bit for bit as from an fp32 copy, and faster at the released shape, measured in
+        # bench/results/2026-12-04-h200-perf13/); the torch walk converts it per step
         self.hidden_projection = draft.w[f"{p}hidden_projection.weight"]
         self.predecessor_codebook = draft.w[f"{p}predecessor_codebook"]  # [V, r]
         self.successor_codebook = draft.w[f"{p}successor_codebook"]  # [V, r]

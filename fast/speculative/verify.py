@@ -32,25 +32,25 @@ class VerifyOutput:
 
 
 class Verifier(Protocol):
-    def __call__(self, logits: Tensor, proposal: DraftProposal, num_drafts: Sequence[int], st: SamplingTensors,
+    def __call__(self, logits: Tensor, proposal: DraftProposal, ks: Sequence[int], st: SamplingTensors,
                  anchor_positions: Tensor) -> VerifyOutput:
         """logits ``[B, R, V]`` (request b's row i predicts its slot i+1), the proposal, k_b per request."""
 
 
-def verify_ragged(logits: Tensor, proposal: DraftProposal, num_drafts: Sequence[int], st: SamplingTensors,
+def verify_ragged(logits: Tensor, proposal: DraftProposal, ks: Sequence[int], st: SamplingTensors,
                   anchor_positions: Tensor) -> VerifyOutput:
     """logits [B, R, V] (request b's row i predicts its slot i+1; rows past k_b unused), the proposal's
-    tokens [B, R-1] and cand_ids / draft_probs [B, R-1, K], num_drafts: k_b <= R-1 per request (host ints)."""
+    tokens [B, R-1] and cand_ids / draft_probs [B, R-1, K], ks: k_b <= R-1 per request (host ints)."""
     draft_tokens, cand_ids, draft_probs = proposal.tokens, proposal.cand_ids, proposal.draft_probs
     batch, rows = logits.shape[:2]
     device = logits.device
-    if num_drafts and set(num_drafts) == {rows - 1} and rows > 1:  # every request verifies all its rows: one
+    if ks and set(ks) == {rows - 1} and rows > 1:  # every request verifies all its rows: one
         # call, its outputs as they are (a captured step's usual case: no fills or copies around it)
         return VerifyOutput(*verify(logits, st, draft_tokens, cand_ids, draft_probs, anchor_positions))
     num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
     emitted = torch.full((batch, rows), -1, dtype=torch.long, device=device)
-    for k in sorted(set(num_drafts)):
-        members = [b for b, kb in enumerate(num_drafts) if kb == k]
+    for k in sorted(set(ks)):
+        members = [b for b, kb in enumerate(ks) if kb == k]
         if len(members) == batch:
             index = slice(None)
         else:

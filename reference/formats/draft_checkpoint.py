@@ -108,10 +108,10 @@ def check_draft_tensors(cfg: DraftConfig, stored: dict[str, TensorInfo]) -> None
                               "DFlash 2 draft with this config.json (a layout this loader does not understand)")
 
 
-def load_draft(path: str | Path | None, target_cfg: TargetConfig, num_steps: int | None = None,
+def load_draft(path: str | Path | None, target_cfg: TargetConfig, k: int | None = None,
                dtype: torch.dtype = torch.float32) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     """Read a draft folder: its validated config (fitted to ``target_cfg``) and every tensor in ``dtype``."""
-    cfg = load_draft_config(path, target_cfg, num_steps)
+    cfg = load_draft_config(path, target_cfg, k)
     stored = list_checkpoint_tensors(path)
     check_draft_tensors(cfg, stored)
     with ExitStack() as stack:

@@ -43,7 +43,7 @@ INTERLEAVED_ROPE_FLAGS = ("rope_interleaved", "rotary_interleaved", "rope_tradit
 
 @dataclass(frozen=True)
 class DraftConfig:
-    """A DFlash 2 draft that fits its target, with ``num_steps`` (k) resolved.
+    """A DFlash 2 draft that fits its target, with k (``speculative_num_steps``) resolved.
 
     Shapes it implies (C hidden, H/Hkv/D heads, I intermediate, m = len(target_layer_ids),
     K conv taps, G conv group size, r selector rank, V vocab): ``fc [C, m*C]``,
@@ -69,7 +69,7 @@ class DraftConfig:
     conv_group_size: int  # G channels share one dynamic tap
     selector_rank: int  # r
     selector_top_k: int  # K_sel candidates per slot
-    num_steps: int  # k drafts per step, 1 .. block_size - 1
+    k: int  # k drafts per step, 1 .. block_size - 1
 
     @property
     def num_taps(self) -> int:
@@ -102,9 +102,9 @@ def read_draft_config_json(path: str | Path | None) -> dict[str, Any]:
     return read_config_json(folder)
 
 
-def load_draft_config(path: str | Path | None, target_cfg: TargetConfig, num_steps: int | None = None) -> DraftConfig:
+def load_draft_config(path: str | Path | None, target_cfg: TargetConfig, k: int | None = None) -> DraftConfig:
     """Parse and validate the draft's ``config.json`` against its target."""
-    return parse_draft_config(read_draft_config_json(path), target_cfg, num_steps)
+    return parse_draft_config(read_draft_config_json(path), target_cfg, k)
 
 
 def _check_identity(raw: dict[str, Any]) -> None:
@@ -195,8 +195,8 @@ def _target_layer_ids(dflash: dict[str, Any], target_cfg: TargetConfig) -> tuple
     return tuple(ids)
 
 
-def parse_draft_config(raw: dict[str, Any], target_cfg: TargetConfig, num_steps: int | None = None) -> DraftConfig:
-    """Validate a parsed draft ``config.json`` against ``target_cfg``; resolve k (``num_steps``)."""
+def parse_draft_config(raw: dict[str, Any], target_cfg: TargetConfig, k: int | None = None) -> DraftConfig:
+    """Validate a parsed draft ``config.json`` against ``target_cfg``; resolve k (``speculative_num_steps``)."""
     _check_identity(raw)
     dflash = raw.get("dflash_config")
     expect(isinstance(dflash, dict), ConfigError, "dflash_config", dflash, "an object with the DFlash 2 fields")
@@ -248,10 +248,10 @@ def parse_draft_config(raw: dict[str, Any], target_cfg: TargetConfig, num_steps:
     top_k = _power_of_two(dflash, "selector_top_k", d)
     expect(top_k <= vocab, ConfigError, d + "selector_top_k", top_k, f"at most vocab_size={vocab}")
 
-    if num_steps is None:
-        num_steps = block_size - 1
-    expect(is_int(num_steps) and 1 <= num_steps <= block_size - 1, ConfigError, "speculative_num_steps",
-           num_steps, f"an integer in 1 .. block_size - 1 = {block_size - 1}")
+    if k is None:
+        k = block_size - 1
+    expect(is_int(k) and 1 <= k <= block_size - 1, ConfigError, "speculative_num_steps",
+           k, f"an integer in 1 .. block_size - 1 = {block_size - 1}")
 
     return DraftConfig(
         hidden_size=hidden,
@@ -272,5 +272,5 @@ def parse_draft_config(raw: dict[str, Any], target_cfg: TargetConfig, num_steps:
         conv_group_size=group,
         selector_rank=rank,
         selector_top_k=top_k,
-        num_steps=num_steps,
+        k=k,
     )

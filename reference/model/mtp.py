@@ -118,16 +118,16 @@ class ReferenceMTP:
         return MTPOutput(logits=out @ self.lm_head.T, hidden=out)
 
 
-def greedy_chain(mtp: ReferenceMTP, hidden: Tensor, next_token: int, cache: MTPCache, num_drafts: int) -> list[int]:
-    """Draft ``num_drafts`` tokens greedily by chaining the MTP on its own output (finding (c)).
+def greedy_chain(mtp: ReferenceMTP, hidden: Tensor, next_token: int, cache: MTPCache, k: int) -> list[int]:
+    """Draft ``k`` tokens greedily by chaining the MTP on its own output (finding (c)).
 
     hidden: ``[C]`` the target's final-normed hidden at position p = ``cache.length``;
     next_token: the committed token at p+1. Returns the drafts for positions p+2 ..; the cache
-    grows by ``num_drafts`` pairs (truncate it back to drop the rejected ones).
+    grows by ``k`` pairs (truncate it back to drop the rejected ones).
     """
     drafts: list[int] = []
     h, token = hidden[None, :], next_token
-    for _ in range(num_drafts):
+    for _ in range(k):
         logits, h = mtp.forward(h, torch.tensor([token]), cache)
         token = int(torch.argmax(logits[-1]))
         drafts.append(token)

@@ -71,11 +71,11 @@ def speculative_generate(
     proposer: Proposer,
     prompt_ids: Sequence[int],
     params: SamplingParams,
-    num_steps: int,
+    k: int,
     stop_token_ids: Sequence[int] = (),
     decode: Callable[[list[int]], str] | None = None,
 ) -> SpeculativeResult:
-    """Decode one request speculatively with ``num_steps`` (k) drafts per verify."""
+    """Decode one request speculatively with k drafts per verify (fewer near the request's end: k_step)."""
     cfg = target.cfg
     check_prompt(prompt_ids, params, cfg.vocab_size, cfg.max_position_embeddings)
     stopper = Stopper(params, stop_token_ids, decode)
@@ -91,8 +91,8 @@ def speculative_generate(
     while finish is None:
         # a step emits up to k + 1 tokens: draft no further than the request's end; with one
         # token left the step verifies no drafts and emits the target's own (bonus) token
-        k = min(num_steps, params.max_tokens - len(output) - 1)
-        proposal = proposer.propose(anchor, position, k, params) if k > 0 else Proposal.deterministic([])
+        k_step = min(k, params.max_tokens - len(output) - 1)
+        proposal = proposer.propose(anchor, position, k_step, params) if k_step > 0 else Proposal.deterministic([])
         rows, num_accepted, emitted, cache = verify_step(target, cache, anchor, position, proposal, params)
         proposer.observe([anchor] + proposal.tokens.tolist(), position, rows, num_accepted + 1)
         steps.append(StepRecord(position, proposal.tokens.tolist(), proposal.cand_ids.tolist(),

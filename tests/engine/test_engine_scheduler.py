@@ -19,7 +19,7 @@ def req(rid: int, prompt_len: int, max_tokens: int, **params) -> Req:
 
 
 def scheduler(**kw) -> Scheduler:
-    args = dict(max_running_req=2, max_num_batched_tokens=8, page_size=4, num_pages=16, num_steps=0,
+    args = dict(max_running_req=2, max_num_batched_tokens=8, page_size=4, num_pages=16, k=0,
                 max_model_len=1000)
     return Scheduler(**{**args, **kw})
 
@@ -43,7 +43,7 @@ def test_admission_reserves_the_whole_budget_and_allocates_pages_lazily():
     assert s.pages.available == 16 - 4
     run_prefill(s, plan)
     plan = s.schedule()
-    assert isinstance(plan, DecodePlan) and plan.reqs == [a] and plan.num_drafts == [0]
+    assert isinstance(plan, DecodePlan) and plan.reqs == [a] and plan.ks == [0]
     assert len(a.pages) == 2  # the anchor at position 6 still fits page 1
     a.output_ids += [1, 2]  # anchor now at position 8
     s.schedule()
@@ -122,14 +122,14 @@ def test_decode_waits_while_a_prompt_can_advance():
 
 
 def test_k_shrinks_near_the_end_and_is_zero_with_one_token_left():
-    s = scheduler(num_steps=3, max_num_batched_tokens=100)
+    s = scheduler(k=3, max_num_batched_tokens=100)
     r = req(0, 4, 6)
     s.add(r)
     run_prefill(s, s.schedule())  # one output token
     ks = []
     for emitted in ([1, 1, 1], [1], [1]):
         plan = s.schedule()
-        ks.append(plan.num_drafts[0])
+        ks.append(plan.ks[0])
         r.output_ids += emitted
     assert ks == [3, 1, 0]  # 5 tokens left, then 2, then 1
     last_position = r.anchor_position  # the k = 0 step writes only the anchor's row
@@ -143,10 +143,10 @@ def check_finished(r: Req, new_tokens: list[int]) -> str | None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), num_steps=st.sampled_from([0, 1, 3]), page_size=st.sampled_from([1, 3, 4]))
-def test_random_runs_keep_every_page_and_slot_accounted(seed, num_steps, page_size):
+@given(seed=st.integers(0, 2**32 - 1), k=st.sampled_from([0, 1, 3]), page_size=st.sampled_from([1, 3, 4]))
+def test_random_runs_keep_every_page_and_slot_accounted(seed, k, page_size):
     rng = random.Random(seed)
-    s = scheduler(num_steps=num_steps, page_size=page_size, num_pages=40, max_running_req=3,
+    s = scheduler(k=k, page_size=page_size, num_pages=40, max_running_req=3,
                   max_num_batched_tokens=rng.choice([1, 5, 16]))
     reqs = [req(i, rng.randint(1, 20), rng.randint(1, 12)) for i in range(rng.randint(1, 8))]
     for r in reqs:
@@ -162,8 +162,8 @@ def test_random_runs_keep_every_page_and_slot_accounted(seed, num_steps, page_si
                 if c.completes_prompt and check_finished(c.req, []):
                     s.finish(c.req, "length")
         else:
-            for r, k in zip(plan.reqs, plan.num_drafts):
-                assert 0 <= k <= num_steps and r.anchor_position + k < r.budget_tokens
+            for r, k in zip(plan.reqs, plan.ks):
+                assert 0 <= k <= k and r.anchor_position + k < r.budget_tokens
                 assert len(r.pages) * page_size >= r.anchor_position + k + 1
                 if check_finished(r, [5] * rng.randint(1, k + 1)):
                     s.finish(r, "length")

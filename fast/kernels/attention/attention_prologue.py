@@ -188,7 +188,7 @@ def _draft_qk_norm_rope_kernel(q_ptr, k_ptr, q_scale_ptr, k_scale_ptr, cos_ptr, 
 
 def draft_qk_norm_rope_triton(q: Tensor, k: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin: Tensor,
                               eps: float) -> tuple[Tensor, Tensor]:
-    """``rope.draft_qk_norm_rope_torch`` by one kernel: q ``[N, H, D]``, k ``[N, Hkv, D]`` (any row and head
+    """``draft_qk_norm_rope_torch`` by one kernel: q ``[N, H, D]``, k ``[N, Hkv, D]`` (any row and head
     strides, unit last stride: views into the projections); q_scale, k_scale fp32 ``[D]``; cos, sin fp32
     ``[N, rd/2]``. Returns (q, k) contiguous in the inputs' dtype."""
     rows, heads, head_dim = q.shape

@@ -31,8 +31,8 @@ Two kernels, a fixed grid for a given batch shape (CUDA graphs), no host sync, n
 With a single split the first kernel writes the output itself and the merge is not launched.
 
 Bound: memory. Each step must read ``sum_b context_lens[b] * Hkv * D * 2 * itemsize`` bytes
-of K/V; the partials (``Tq * G * D`` fp32 per program) stay in L2 at these sizes. At B = 1 the
-floor is ~2 us, so launch latency and the merge matter as much as bandwidth
+of K/V; the partials (``Tq * G * D`` fp32 per program) stay in L2 at these sizes. At B = 1 that
+floor is of the order of a launch's latency, so launch latency and the merge matter as much as bandwidth
 (bench/kernels/bench_paged_attention.py measures both against the floor).
 """
 
@@ -98,9 +98,8 @@ def plan_splits(num_seqs: int, kv_heads: int, max_context: int, tile_rows: int, 
     About ``PROGRAMS_PER_SM * SMs`` programs over ``num_seqs * kv_heads`` (sequence, KV head)
     pairs, but no fewer than ``MIN_SPLIT_LEN`` and ``tile_rows`` keys per split, so that a split's partial
     output (``tile_rows * D`` fp32) is at most the bf16 K/V it reads (and stays in L2 for the merge).
-    The bound was ``2 * tile_rows`` until the H200 sweep at verify tiles (64 rows: 8 rows x G = 8 or 6,
-    D = 256; bench/results/2026-12-01-h200-perf4/call2-pa_sweep.log): one request at 4096 keys ran
-    20.1 us with 64-key splits against 22.9 with 128 (35B-A3B), 23.2 against 25.5 (27B), both at 4 warps.
+    ``tile_rows`` rather than ``2 * tile_rows``: at verify tiles (64 rows, D = 256) the shorter splits are
+    the faster (measured: bench/results/2026-12-01-h200-perf4/call2-pa_sweep.log).
     Host-side ints only.
     """
     wanted = max(1, PROGRAMS_PER_SM * _sm_count(device) // max(1, num_seqs * kv_heads))
@@ -133,7 +132,7 @@ def launch_plan(num_seqs: int, heads: int, kv_heads: int, dim: int, max_query_le
         raise ValueError(f"split_len={split_len}: expected a positive multiple of block_n={block_n}")
     if num_warps is None:
         # tiles of up to 64 rows (decode, and a k = 7 verify of G <= 8) at 4 warps: the sweep's best at
-        # 64 x 256 (call2-pa_sweep.log: 35.3 vs 51.1 us at 4 requests x 8 rows, 35B-A3B); larger tiles
+        # 64 x 256 (measured: bench/results/2026-12-01-h200-perf4/call2-pa_sweep.log); larger tiles
         # keep about 64 fp32 accumulator registers per thread
         num_warps = 4 if m_pad <= 64 else min(16, m_pad * d_pad // (32 * 64))
     return LaunchPlan(d_pad, m_pad, block_n, split_len, max(1, -(-max_context // split_len)), num_warps)

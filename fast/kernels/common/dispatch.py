@@ -2,8 +2,8 @@
 
 An op pairs its torch twin (the form the CPU runs, the one conformance holds to the reference) with one
 or more GPU forms, each with the condition under which it takes a call (``fits``: shapes, strides,
-dtypes, row counts). A call goes to the first GPU form that fits when Triton is installed and every
-the call's first tensor argument lives on a CUDA device, and to the torch twin otherwise::
+dtypes, row counts). A call goes to the first GPU form that fits when Triton is installed and the
+call's first tensor argument lives on a CUDA device, and to the torch twin otherwise::
 
     add_rms_norm = KernelOp("add_rms_norm", add_rms_norm_torch,
                             GpuForm(add_rms_norm_triton, fits=lambda x, update, *_: x.dim() == 2))

@@ -1,18 +1,16 @@
 """Programmatic dependent launch (PDL) for the draft's own Triton kernels and the MoE's, on Hopper and later.
 
 Without it, each kernel of a captured step starts only once the previous one has finished and its
-launch has gone through: the draft's ~134 kernels spend ~120 of their ~950 us in these gaps. A
-kernel launched with PDL (Triton's launch option ``launch_pdl=True``) may be launched, and its
-blocks made resident, while the previous kernel still runs; it then blocks in ``griddepcontrol.wait``
-(``gdc_wait``) until that kernel has completed and its writes are visible. So PDL saves the next
-kernel's launch and block scheduling, overlapped with the previous one's tail; no kernel's arithmetic
-changes, and the results are bitwise the same with it and without it.
+launch has gone through; the draft's step is many short kernels, so these gaps are a visible share of
+it (measured: bench/results/2026-12-02-h200-perf7/README.md). A kernel launched with PDL (Triton's launch
+option ``launch_pdl=True``) may be launched, and its blocks made resident, while the previous kernel still
+runs; it then blocks in ``griddepcontrol.wait`` (``gdc_wait``) until that kernel has completed and its writes
+are visible. So PDL saves the next kernel's launch and block scheduling, overlapped with the previous one's
+tail; no kernel's arithmetic changes, and the results are bitwise the same with it and without it.
 
-Measured on the H200 (perf8 call 3, bench/results/2026-12-02-h200-perf8): small. Over 8 layers of the
-35B-A3B draft's chain (bench/kernels/bench_pdl.py, 88 PDL launches) it saved 7.3 us of 540 (with the
-cuBLAS GEMMs) and 10.4 of 441 (our kernels only), 0.08-0.12 us a launch; in ``ft bench`` the draft went
-from 0.89 to 0.88 ms. Inside a CUDA graph the launches are already back to back, so there is little
-launch latency left to hide; what remains between kernels is each one's ramp and tail.
+The gain is small (bench/kernels/bench_pdl.py; measured: bench/results/2026-12-02-h200-perf8/): inside
+a CUDA graph the launches are already back to back, so there is little launch latency left to hide; what
+remains between kernels is each one's ramp and tail.
 
 The rule, in every kernel launched with :func:`launch_options`: its first statements, before any
 global load or store (weights too: reading them early would be safe, but one rule is easier to check)::

@@ -7,13 +7,13 @@ M rows, K inputs, N outputs; W ``[N, K]`` (or ``[2N, K]``, gate rows then up row
     swiglu:   y[m, n] = silu(g) * u,  g = sum_k x[m, k] W[n, k],  u = sum_k x[m, k] W[N + n, k]
 
 Why a kernel of our own: at 8 rows a GEMM is a stream of W's bytes, and cuBLAS tiles N by 64 to 128
-columns there, so a ``[2048, 2048]`` projection runs on 16-32 of the H200's 132 SMs (``nvjet_..._64x8``
-at ~35-50% of the bytes' floor in the perf6 traces; the ``[512, 2048]`` conv kernel projections take
-5.4 us where their 2 MiB take 0.5). Here one program owns ``BLOCK_N`` (16-64) output columns of one
-``BLOCK_M``-row tile and one of ``SPLIT_K`` ranges of K, so even small projections spread over the
-whole GPU, and the SwiGLU of a gate|up projection is the GEMM's epilogue (no ``[M, 2I]`` round trip, one
-launch fewer). That epilogue reads g and u in fp32; the torch form (a matmul in x's dtype, then
-``mlp.swiglu_act_torch``) rounds them to x's dtype first, so in bf16 the two differ by that rounding.
+columns there, so a ``[2048, 2048]`` projection runs on a small fraction of the SMs, well short of the
+bytes' floor (measured: bench/results/2026-12-02-h200-perf6/README.md). Here one program owns ``BLOCK_N``
+(16-64) output columns of one ``BLOCK_M``-row tile and one of ``SPLIT_K`` ranges of K, so even small
+projections spread over the whole GPU, and the SwiGLU of a gate|up projection is the GEMM's epilogue
+(no ``[M, 2I]`` round trip, one launch fewer). That epilogue reads g and u in fp32; the torch form (a matmul
+in x's dtype, then ``swiglu.swiglu_act_torch``) rounds them to x's dtype first, so in bf16 the two differ by
+that rounding.
 
 Split-K without a second kernel and without float atomics: each program stores its fp32 partial to
 a workspace, then takes a ticket from its output tile's counter (``atomic_add``, acquire-release,
@@ -25,12 +25,10 @@ SPLIT_K or BLOCK_K sums in a different order: rounding differences within NUMERI
 never between two calls with one config.
 
 Bound: memory (W's bytes once; x is re-read from L2 by each program: ``M K`` elements per column
-tile), and at these sizes the latency of a launch: on the H200 (perf7 sweep, back-to-back calls in a
-graph) the best configs are 0-14% faster than cuBLAS, a 2 MiB projection still takes ~4.6 us and
-gate|up reaches 69% of its floor, and q|k|v [3072, 2048] and o [2048, 2048] stay faster in cuBLAS
-(6.87 and 6.34 us against 7.54 and 6.39), so the engine's dispatch (:func:`skinny_linear`) takes the
-kernel only for the shapes measured faster, with their measured configs. No host sync; the
-grid depends on the shapes and the config only.
+tile), and at these sizes the latency of a launch, which keeps a small projection well above its bytes'
+floor. The kernel beats cuBLAS on some shapes and not on others, so the engine's dispatch
+(:func:`skinny_linear`) takes it only for the shapes measured faster, with their measured configs
+(:data:`H200_TUNED`). No host sync; the grid depends on the shapes and the config only.
 """
 
 from __future__ import annotations
@@ -61,34 +59,29 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4
     # K columns of its W slice each program bulk-prefetches into L2 before its wait (_prefetch_weight): 0 none,
-    # >= its K range all of it. Alone (a graph of back-to-back calls) it saved 0.2-0.7 us on the 35B-A3B draft's
-    # conv kernel projections, q|k|v and o and lost 1-3 us on gate|up and down (perf13, c3-skinny.log); inside
-    # the draft's layer chain (bench_pdl.py --configs-ab, PDL on) it measured within the rounds' spread: 516.3
-    # against 517.3 us for 8 layers. Kept on those three shapes, where it measured no slower anywhere. Asking L2 for
-    # whole weights further ahead, from a side stream while the latency-bound kernels before each GEMM run, lost in
-    # the same chain (perf14 calls 6 and 7, bench/results/2026-12-04-h200-perf14, the code in c6-draft-prefetch.diff.txt):
-    # 518.6 us without, 564.9 with all three points, 516.9 with o alone, 547.1 with the MLP conv's kernel projection
-    # and 24 MB of gate|up, 533.5 with the next layer's kernel projection and q|k|v: the prefetches slow the short
-    # kernels they run beside, which sit on the chain's critical path, more than they save the GEMMs.
+    # >= its K range all of it. It helps the 35B-A3B draft's conv kernel projections, q|k|v and o a little and
+    # hurts gate|up and down, so only those three shapes use it (measured: bench/results/2026-12-04-h200-perf13/
+    # c3-skinny.log). Prefetching whole weights further ahead from a side stream was tried and was slower: the
+    # prefetches slow the short kernels on the chain's critical path more than they save the GEMMs (measured:
+    # bench/results/2026-12-04-h200-perf14/, the code in c6-draft-prefetch.diff.txt).
     prefetch_k: int = 0
 
 
-# (N, K, swiglu) -> (the most rows it was measured faster than cuBLAS at, its fastest config): the H200
-# sweeps of bench/kernels/bench_skinny_linear.py (bench/results/2026-12-02-h200-perf7: us a call, this
-# kernel / cuBLAS, back-to-back in a graph, at 8 rows, and at 32 where that row count is kept; perf13 for
+# (N, K, swiglu) -> (the most rows it was measured faster than cuBLAS at, its fastest config), from the sweeps of
+# bench/kernels/bench_skinny_linear.py (back-to-back calls in a graph, at 8 rows, and at 32 where that row count is
+# kept; measured: bench/results/2026-12-02-h200-perf7/, and bench/results/2026-12-04-h200-perf13/c3-skinny.log for
 # the first three rows). The released drafts' GEMMs that are not here (the 27B draft's q|k|v, o, conv kernel
 # projections and gate|up) measured as fast or faster in cuBLAS; an unmeasured shape or GPU goes to cuBLAS too.
 H200_TUNED: dict[tuple[int, int, bool], tuple[int, SkinnyConfig]] = {
-    # perf13 (bench/results/2026-12-04-h200-perf13, c3-skinny.log), 8 rows, the whole slice prefetched: the conv
-    # kernel projections 3.48 / 5.78 (4.16 without the prefetch), q|k|v 6.68 / 6.88 (6.92), o 5.10 / 6.35 (5.74)
+    # 35B-A3B draft: conv kernel projections, q|k|v, o (the whole slice prefetched)
     (512, 2048, False): (32, SkinnyConfig(block_n=32, block_k=128, split_k=8, prefetch_k=PREFETCH_ALL)),
     (3072, 2048, False): (8, SkinnyConfig(block_n=32, block_k=128, split_k=4, prefetch_k=PREFETCH_ALL)),
     (2048, 2048, False): (32, SkinnyConfig(block_n=32, block_k=128, split_k=4, prefetch_k=PREFETCH_ALL)),
-    (5632, 2048, True): (8, SkinnyConfig(block_n=32, block_k=128)),  # gate|up + SwiGLU: 15.83 / 17.04 (+ its kernel)
-    (2048, 5632, False): (32, SkinnyConfig(block_n=32, block_k=128, split_k=4)),  # 10.50 / 12.01; 32 rows 11.36 / 12.42
-    (2048, 10240, False): (8, SkinnyConfig(block_n=32, block_k=128, split_k=4)),  # fc: 15.88 / 17.21
-    (5120, 17408, False): (8, SkinnyConfig(block_n=32, block_k=128, split_k=2)),  # 27B down: 51.26 / 55.34
-    (5120, 25600, False): (8, SkinnyConfig(block_n=32, block_k=128, split_k=4)),  # 27B fc: 69.92 / 76.19
+    (5632, 2048, True): (8, SkinnyConfig(block_n=32, block_k=128)),  # gate|up + SwiGLU
+    (2048, 5632, False): (32, SkinnyConfig(block_n=32, block_k=128, split_k=4)),  # down
+    (2048, 10240, False): (8, SkinnyConfig(block_n=32, block_k=128, split_k=4)),  # fc
+    (5120, 17408, False): (8, SkinnyConfig(block_n=32, block_k=128, split_k=2)),  # 27B down
+    (5120, 25600, False): (8, SkinnyConfig(block_n=32, block_k=128, split_k=4)),  # 27B fc
 }
 
 
@@ -219,7 +212,7 @@ def _check(x: Tensor, weight: Tensor, swiglu: bool) -> tuple[int, int, int]:
 
 def skinny_linear_torch(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
     """``x @ weight.T`` (``[M, K] x [N, K] -> [M, N]``), then with ``swiglu`` ``silu(g) * u`` of its
-    gate and up halves in fp32, rounded once (``mlp.swiglu_act_torch``). In x's dtype."""
+    gate and up halves in fp32, rounded once (``swiglu.swiglu_act_torch``). In x's dtype."""
     _check(x, weight, swiglu)
     if x.device.type == "cpu" and not x.is_contiguous():
         # torch 2.13's CPU bf16 matmul reads past a strided row (17+ rows at K=80 gave NaN from a

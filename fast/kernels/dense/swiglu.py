@@ -49,7 +49,7 @@ def _swiglu_kernel(x_ptr, out_ptr, stride_x, stride_out, WIDTH: tl.constexpr, BL
 
 
 def swiglu_act_triton(gate_up: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
-    """``mlp.swiglu_act_torch`` by the kernel: gate_up ``[N, 2I]`` (any row stride, unit column stride).
+    """:func:`swiglu_act_torch` by the kernel: gate_up ``[N, 2I]`` (any row stride, unit column stride).
 
     Returns a contiguous ``[N, I]`` in ``out_dtype`` (default gate_up's dtype).
     """

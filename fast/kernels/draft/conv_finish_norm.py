@@ -19,7 +19,7 @@ once to the model dtype; ``r + y`` sums in fp32 and rounds again (the torch form
 the norm reads that rounded h as fp32, and ``(h * rstd) * scale`` rounds once to ``out_dtype``.
 
 ``conv_finish_norm_torch`` is that composition of the torch forms (``grouped_dynamic_conv_torch``,
-then ``norm.add_rms_norm_torch``), bit for bit. ``conv_finish_norm_triton``: one program per block
+then ``rms_norm.add_rms_norm_torch``), bit for bit. ``conv_finish_norm_triton``: one program per block
 row holds the whole row (``BLOCK`` = next_power_of_2(C) <= ``MAX_BLOCK`` channels) in registers,
 writes h and, from the same registers, u: one launch instead of two after each of a draft layer's
 2 sublayers (the attention finish and the next post-attention norm, the MLP finish and the next

@@ -1,4 +1,4 @@
-"""The draft's window attention over the per-request K/V ring, twin of ``reference/draft.window_attention``.
+"""The draft's window attention over the per-request K/V ring, twin of ``reference/model/draft.window_attention``.
 
 B blocks of S rows; block b is anchored at s_b, its row i sits at s_b + i and reads
 
@@ -33,7 +33,7 @@ atomics, so a CUDA-graph replay equals an eager call bit for bit:
 
 With a single split the first kernel writes the output itself and the merge is not launched.
 Bound: memory, ``W * Hkv * D * 2 * itemsize`` bytes of ring per block (8.4 MB at B = 1 for the 27B
-draft, ~2 us on an H200), so at small B the grid's width is what matters.
+draft, of the order of a launch's latency to read), so at small B the grid's width is what matters.
 """
 
 from __future__ import annotations

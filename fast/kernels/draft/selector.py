@@ -42,7 +42,8 @@ from ..common.triton_compat import tl, triton
 _SELECTOR = tl.constexpr(int(Purpose.SELECTOR))
 # blocks whose winners one program of the first merge level takes: 16 x 16 = 256 entries, so the
 # released vocabulary (243 blocks of 1024) merges as 16 + 1 programs per row instead of one program
-# walking 4096 entries 16 times (39.5 us for 7 rows on an H200, perf3 call 2's trace)
+# walking 4096 entries 16 times, a serial walk far slower than the merge's bytes (measured:
+# bench/results/2026-12-01-h200-perf3/call2-trace-qwen3.5-35b-a3b-dflash7.txt)
 MERGE_BLOCKS = 16
 
 
@@ -263,10 +264,9 @@ def _walk_kernel(cand_ptr, unary_ptr, proj_ptr, pred_ptr, succ_ptr, anchor_tok_p
     uniforms = philox_uniform(seed, anchor_pos + 0 * slots, _SELECTOR, slots + 1).to(tl.float64)  # u_1..u_k
     # slot i's candidates, unaries, g and successor rows do not depend on y_{i-1}: slot i issues slot i+1's loads
     # (the ids with its own A[y_{i-1}] gather, their Bc rows once its stores are out), so each slot waits on
-    # about one memory latency where the chain C_i -> Bc[C_i] and A[y_{i-1}] cost two. Tried and dropped
-    # (perf13): loading each slot's [KSEL, RANK] tile of A rows beside the Bc rows and taking A[y_i] out of it
-    # after the pick, so no load waits on a pick: 23.5 us a walk against this form's 16.2 (the engine's step
-    # traces with PDL off, bench/results/2026-12-04-h200-perf13 against 2026-12-03-h200-perf12).
+    # about one memory latency where the chain C_i -> Bc[C_i] and A[y_{i-1}] cost two. Loading each slot's
+    # [KSEL, RANK] tile of A rows beside the Bc rows and taking A[y_i] out of it after the pick (so no load waits
+    # on a pick) was tried and was slower (measured: bench/results/2026-12-04-h200-perf13/README.md).
     cand = tl.load(cand_ptr + b * K * KSEL + lanes, mask=in_k, other=0)
     unary = tl.load(unary_ptr + b * K * KSEL + lanes, mask=in_k, other=0.0)
     g = tl.load(proj_ptr + b * K * RANK + rk, mask=in_r, other=0.0)
@@ -353,10 +353,10 @@ def project_triton(hidden: Tensor, projection: Tensor, k: int, block_r: int = 1,
     One program per request and ``block_r`` columns of g; ``block_c`` defaults to keep the [K_PAD, block_r,
     block_c] accumulator at 8192 fp32 (64 a thread of 4 warps). Each program's C loop waits on its loads every
     step, so the kernel is latency-bound and narrow programs win: at the released shape (B = 1, k = 7, r = 256,
-    C = 2048) with an fp32 P 8.4 us with block_r = 1 (256 programs, 2 steps), 8.8 with 2, 14.2 with 8, 23.1
-    with 16, against 18.2 us for the torch form (an fp32 copy of h and a cuBLAS fp32 GEMM); with the draft's
-    bf16 P, as the proposer passes it, 7.1 us with block_r = 1 and 8.5 with 2. CUDA-graph replays, L2 flushed
-    (bench/results/2026-12-04-h200-perf13, bench_draft_kernels.py)."""
+    C = 2048) ``block_r = 1`` (256 programs, 2 steps) is the fastest, with an fp32 P and with the draft's bf16 P
+    as the proposer passes it, and faster than the torch form (an fp32 copy of h and a cuBLAS fp32 GEMM)
+    (bench_draft_kernels.py, CUDA-graph replays, L2 flushed; measured:
+    bench/results/2026-12-04-h200-perf13/c5-draft-kernels.log)."""
     batch, rows, hidden_size = hidden.shape
     rank = projection.shape[0]
     if projection.shape[1] != hidden_size:

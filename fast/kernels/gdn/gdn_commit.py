@@ -44,8 +44,8 @@ barrier) rewrites those channels, so the in-place shift never reads a tap anothe
 thread has already rewritten. Bound: HBM bandwidth, the slot's state read and written once
 (2 x 2 MiB per layer and sequence at Hv = 32, Dk = Dv = 128) plus the kept rows' inputs; the
 replay's fp32 arithmetic (about 6 flops per state element and kept row, 25 MFLOP per layer and
-sequence at R = 8) comes to roughly a third of that traffic's time on an H200, an estimate: the
-measured fraction of the floor is bench/kernels/bench_gdn_verify.py's.
+sequence at R = 8) comes to roughly a third of that traffic's time at a Hopper GPU's bandwidth and fp32
+rate, an estimate: the measured fraction of the floor is bench/kernels/bench_gdn_verify.py's.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The gated delta rule over whole prompt chunks, by flash-linear-attention's chunked kernels; twin
-of ``reference/delta_rule.gated_delta_rule_recurrent`` (its chunked form,
+of ``reference/model/delta_rule.gated_delta_rule_recurrent`` (its chunked form,
 ``gated_delta_rule_chunked``, derives what these kernels compute).
 
 Same inputs as ``delta_rule.gated_delta_rule``: the rows of B sequences flattened with

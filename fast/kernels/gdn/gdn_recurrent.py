@@ -1,5 +1,5 @@
 """The gated delta rule row by row, for decode and verify steps, twin of
-``reference/delta_rule.gated_delta_rule_recurrent``; and the one row update that the verify
+``reference/model/delta_rule.gated_delta_rule_recurrent``; and the one row update that the verify
 commit's replay (fast/kernels/gdn/gdn_commit.py) shares with it.
 
 B sequences; sequence b owns rows ``cu_seqlens[b] .. cu_seqlens[b+1]-1`` (at most ``max_rows``:
@@ -45,18 +45,15 @@ Unrolled (2 to ``EXACT_ROWS`` rows, a verify): the row loop is a ``tl.static_ran
 stored inside it (each row's o goes into a ``[ROWS_PAD, block_v]`` register tile by a select, stored
 after the loop with the scratch inputs, which are reloaded as tiles), so no store sits between one
 row's loads and the next's and the compiler may issue every row's q, k, v, g, beta loads up front:
-the looped form waits on each row's loads in turn (8.8 us a layer for 8 rows against 3.3 for a
-decode's one, perf5 call 5; 7.7 unrolled, perf6 call 2). Both forms run the same ``_row_step``, so
+the looped form waits on each row's loads in turn, so at a verify's rows the unrolled form is the faster
+(measured: bench/results/2026-12-02-h200-perf6/README.md). Both forms run the same ``_row_step``, so
 the state and o have the same bits either way.
 
-Tried and dropped (bench/results/2026-12-03-h200-perf12, every GDN layer's verify in one graph at the 35B-A3B
-shapes, against this loop's 8.90 / 11.05 / 38.1 us a layer at 1 / 4 / 16 requests): the rows as one chunk, with
-no state carried from row to row. As fp32 products (the reference's chunked form, ``(I + A)^{-1}`` as a product
-of ``I + A^(2^m)``): 8.74 / 15.6 / 51.0 us at the best tiles, 100-1400 us at others (the fp32 dots spill). By
-forward substitution on the corrections (the reductions over Dk all independent): 10.35 / 14.8 / 39.6. An ncu
-profile says why: at one request the 256 one-warp programs leave each multiprocessor two warps, each issuing
-its own instruction stream (an instruction per 4.4 cycles, 5% of DRAM bandwidth); taking work off the chain
-adds no warps.
+The rows as one chunk, with no state carried from row to row (as fp32 products, the reference's chunked form,
+or by forward substitution on the corrections), was tried and was level at one request and slower at 4 and 16
+(measured: bench/results/2026-12-03-h200-perf12/README.md). An ncu profile there says why: at one request the
+256 one-warp programs leave each multiprocessor two warps, each issuing its own instruction stream; taking work
+off the chain adds no warps.
 
 The commit's replay runs :func:`delta_rule_step` on the same ``[DK_PAD, block_v]`` tiles
 (``default_block_v``) with ``NUM_WARPS`` warps, so ``tl.sum`` reduces in the same order and the
@@ -76,11 +73,9 @@ EXACT_ROWS = 16  # up to this many rows the loop length is max_rows itself; abov
 UNROLL_MIN_ROWS = 2  # from 2 rows (a verify) to EXACT_ROWS the row loop is unrolled (module docstring); a decode's
 # one row keeps the plain loop
 # The state tile, of every state-tile program, here and in the commit's replay (one layout, one tl.sum order):
-# [Dk, 16] on one warp. The H200 sweep at the 35B-A3B shapes (bench_gdn_verify.py --tiles, perf8 call 2; us a
-# layer for verify and decode, every GDN layer in one graph, and the whole commit) against the [Dk, 32] on four
-# warps it replaces: B = 1: verify 8.73 / 9.33, decode 3.24 / 4.09, commit 58.9 / 68.5; B = 4: 11.07 / 13.78,
-# 6.52 / 6.85, 201.3 / 232.4. Of the nine tiles swept only [Dk, 16] on two warps was faster anywhere (B = 1
-# verify, 8.59).
+# [Dk, 16] on one warp: of the nine tiles swept at the 35B-A3B shapes (bench_gdn_verify.py --tiles: verify,
+# decode and the whole commit) the fastest at B = 1 and 4, but for [Dk, 16] on two warps at a B = 1 verify alone
+# (measured: bench/results/2026-12-02-h200-perf8/call2-gdn_tiles.log).
 NUM_WARPS = 1
 BLOCK_V = 16
 

@@ -25,8 +25,9 @@ per (pair, C tile of ``block_c``), the leader reduces all of I in ``block_d`` st
 form's programs each stream 768 KiB at 8 rows (I tiles of 64), one resident per SM with a 4-stage
 pipeline, so the ~470 programs of a verify layer (58 experts) end in a partial last wave; the split
 form's programs stream 128-256 KiB each and its partials are T times smaller. It rounds differently
-(one fp32 accumulation over I instead of T partial sums), within NUMERIC of the reference. On the H200
-it is the faster form from 8 to 16 rows (:func:`default_blocks`; bench/kernels/bench_moe.py sweeps both).
+(one fp32 accumulation over I instead of T partial sums), within NUMERIC of the reference. It is the
+faster form from 8 to 16 rows (:func:`default_blocks`; bench/kernels/bench_moe.py sweeps both; measured:
+bench/results/2026-12-01-h200-perf5/call1-moe_sweep.log).
 
 Overlapped split form (``MoEBlocks.overlap``, with a caller's ``ready`` buffer): in the split form every down
 program waits for the whole gate/up grid, so each layer pays the gate/up kernel's last, partial wave with the
@@ -37,13 +38,12 @@ grids put the pair axis second, so an expert's tiles are scheduled together and 
 another. With PDL the down kernel is launched once every gate/up program has started (each triggers right after
 its own wait), so no program it spins on waits for a free slot; without PDL the counters are complete before it
 starts. The sum kernel (after its wait: every down program has read its counter) zeroes the counters it used,
-so the call leaves ``ready`` all zero. Same arithmetic, same bits as the split form. H200, interleaved A/B
-(``bench_moe.py --blocks-ab``, bench/results/2026-12-04-h200-perf14): 92.7 against 95.0 us a layer at 8 rows,
-155.7 against 161.3 at 16.
+so the call leaves ``ready`` all zero. Same arithmetic, same bits as the split form, and faster than it at 8
+and 16 rows (``bench_moe.py --blocks-ab``; measured: bench/results/2026-12-04-h200-perf14/).
 
-On Hopper the kernels launch with PDL (fast/kernels/common/pdl.py; DFLASH2_PDL=0 turns it off, bit for bit the
-same): each launch then hides under the previous kernel's tail (bench_moe.py --pdl-ab, H200: 23.0 -> 22.4 us
-a layer at 1 row, 94.7 -> 92.8 at 8, 162.6 -> 161.3 at 16).
+On Hopper the kernels launch with PDL (fast/kernels/common/pdl.py; ``LaunchSettings.pdl``, from ``EngineConfig.pdl``,
+turns it off, bit for bit the same): each launch then hides under the previous kernel's tail (``bench_moe.py
+--pdl-ab``; measured: bench/results/2026-12-03-h200-perf9/README.md).
 
 No host sync and no data-dependent shape: the grids and buffers depend on (N, k, E, C, I) only.
 What bounds it: the weight bytes of the distinct experts chosen (memory); the partials add
@@ -92,34 +92,27 @@ class MoEBlocks:
 
 
 def default_blocks(rows: int) -> MoEBlocks:
-    """Defaults by row count, from the H200 sweeps (bench/kernels/bench_moe.py, per layer, CUDA-graph
-    replays): one row (plain decode) takes the down projection in 256-column steps with a 4-stage
-    pipeline (23.4 vs 27.7 us, bench/results/2026-12-01-h200/kernels/bench_moe.log); from 2 rows on, I
-    tiles of 64 (half the programs and half the partials of 32-wide tiles: 56.6 vs 65.7 us at 4 rows,
-    bench/results/2026-12-01-h200-perf3/call1-bench_moe.log), with a 4-stage pipeline at 5-7 rows.
-    From 8 to 16 rows (a verify of k = 7 is 8 rows a request) the split form: 94.5 vs 99.5 us at 8 rows
-    (I tiles of 32, down programs of 64 columns) and 162.6 vs 179.0 at 16 (bench/results/
-    2026-12-01-h200-perf5/call1-moe_sweep.log; the row counts not swept keep the fused form); 64-pair
-    chunks past 128 rows. Tried and dropped at 8 and 16 rows (perf7 call 2, bench/results/
-    2026-12-02-h200-perf7): the down kernel adding a row's k choices itself, the program completing
-    them found by a ticket per (row, C tile), in place of the sum kernel: 100.5 vs 95.6 us a layer at 8
-    rows, 167.3 vs 160.8 at 16 (the atomics and the sums land in the kernel's tail). Also tried and dropped
-    (perf8 call 1, bench/results/2026-12-02-h200-perf8): the split form's gate/up and down items in one
-    persistent launch, down items waiting on their expert's gate/up items by a ready count (bit for bit the
-    split form): slower at 8 rows (97.7-141.8 vs 96.1 us) and at 16 (169.5-201.3 vs 161.8); at 1 row level with
-    the fused form (22.4 vs 23.0 us, within the sweep's spread: not worth a third form on the decode path). Its
-    programs need 255 registers, so at most 2 fit on a multiprocessor, too few loads in flight to stream
-    the weights; the split form's ~1000 short programs keep more in flight. The sum kernel's C tile (16, 32, 128
-    against 64; perf12 call 5, bench/results/2026-12-03-h200-perf12) moved 1 row by -1.0 to +2.6 us and 8 rows by
-    +0.3 to +0.5, within the sweeps' spread: kept at 64. At 1 row the split form with I tiles of 16 and a 4-stage
-    pipeline took 20.8 against 22.5 us a layer in every round of an interleaved A/B (perf12 call 6,
-    ``bench_moe.py --blocks-ab 1``), but the engine's decode step measured no faster with it (its wall time is the
-    host's, ~160 us ahead of the GPU): kept out until the decode step is GPU-bound. From 8 to 16 rows the split
-    form is overlapped (module docstring) wherever the caller passes ``ready``: at 8 rows down programs of 128
-    columns then win (92.7 us a layer, against 95.7 with 64 and 95.0 for the plain split form at 64; 256 columns
-    96.5, I tiles of 16 103.5-104.7, of 64 96.4, a 4-stage pipeline 94.8, an I step of 256 104.2), at 16 the same
-    tiles as before (155.7 against 161.3; 256 columns 160.0, I tiles of 32 158.4, an I step of 256 182.6): perf14
-    calls 3 and 4, bench/results/2026-12-04-h200-perf14."""
+    """The blocks for a call of ``rows`` rows: at each row count the fastest of the sweeps of
+    bench/kernels/bench_moe.py (per layer, CUDA-graph replays), the fused form wherever no other was measured
+    faster:
+
+    - 1 row (plain decode): fused, the down projection in 256-column steps, a 4-stage pipeline (measured:
+      bench/results/2026-12-01-h200/kernels/bench_moe.log);
+    - 2 to 7 rows: fused, I tiles of 64 (half the programs and half the partials of 32-wide tiles), a 4-stage
+      pipeline from 5 rows (measured: bench/results/2026-12-01-h200-perf3/call1-bench_moe.log);
+    - 8 to 16 rows (a verify of k = 7 is 8 rows a request): the split form, overlapped wherever the caller passes
+      ``ready`` (module docstring), down programs of 128 columns, I tiles of 32 at 8 rows and of 64 above
+      (measured: bench/results/2026-12-01-h200-perf5/call1-moe_sweep.log for the split form,
+      bench/results/2026-12-04-h200-perf14/ for the overlap and its tiles);
+    - 17 to 128 rows: fused, I tiles of 64 (not swept); past 128 rows, the same with 64-pair chunks.
+
+    Tried and slower at 8 and 16 rows, not worth trying again as such: the down kernel adding a row's k choices
+    itself in place of the sum kernel (bench/results/2026-12-02-h200-perf7/); the split form's gate/up and down
+    items in one persistent launch, whose 255-register programs keep too few loads in flight
+    (bench/results/2026-12-02-h200-perf8/). Sum-kernel C tiles other than 64 measured within the sweeps' spread
+    (bench/results/2026-12-03-h200-perf12/). At 1 row the split form with I tiles of 16 is faster alone but left
+    the engine's host-bound decode step no faster (bench/results/2026-12-03-h200-perf12/): kept out until the
+    decode step is GPU-bound."""
     if rows == 1:
         return MoEBlocks(block_c=256, num_stages=4)
     if rows <= 4:
@@ -281,13 +274,10 @@ def _moe_down_kernel(ids_ptr, h_ptr, down_ptr, partials_ptr, ready_ptr, num_pair
     With PDL it scans the ids before its wait, as pdl.py's early-read rule allows (the router wrote them two
     kernels back: the gate/up kernel, launched with PDL, triggers only after its own wait); h, the gate/up
     kernel's output, only after. A non-leader exits without waiting (it wrote nothing); every launch has
-leaders (P > 0), and their waits keep the completion order pdl.py's rule (c) relies on. Asking L2 for the
-    weight tile there too (``prefetch.global.L2`` over the tile's lines) was measured slower on the H200 and
-    dropped (bench/results/2026-12-03-h200-perf9: 100.4 against 92.8 us a layer at 8 rows, 171.5 against
-    161.3 at 16): the hints compete with the gate/up kernel's own weight stream, which is what bounds both.
-    sm_90's bulk prefetch (``cp.async.bulk.prefetch.L2``, one instruction a weight row) in the same place lost
-    too (bench/results/2026-12-04-h200-perf13, call 2, interleaved A/B): at 8 rows 96.4 us a layer for each
-    row's first 256 bytes and 106.9 for all of it, against 95.0 without; at 16 rows 161.4 and 171.6 against 161.5.
+    leaders (P > 0), and their waits keep the completion order pdl.py's rule (c) relies on. Asking L2 for the
+    weight tile there too, by ``prefetch.global.L2`` or by sm_90's bulk prefetch, was tried and was slower: the
+    hints compete with the gate/up kernel's own weight stream, which is what bounds both (measured:
+    bench/results/2026-12-03-h200-perf9/, bench/results/2026-12-04-h200-perf13/).
 
     OVERLAP (module docstring, "Overlapped split form"): the grid is (C tile, pair); a leader triggers its
     dependents at once, waits for ``ready[e] == NUM_I_TILES`` (acquire) instead of the grid-wide wait, reads h

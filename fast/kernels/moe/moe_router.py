@@ -15,10 +15,10 @@ num_splits``; ``split_c`` a whole number of ``block_c`` steps, the last range cu
 empty). Its product tile ``[block_n, block_e, block_c]`` is accumulated element-wise over its range
 and reduced once, in a fixed order, into the partial logits ``P[s] = x[:, range_s] W[:, range_s]^T``
 of an fp32 scratch ``[S, N, E]``. Why split C: each C step of a program is a dependent round of
-loads, so a program walking all of C is latency-bound however few bytes it reads (unsplit, 32 rows
-took 32.5 us against a 0.5 us floor: 66 programs of 32 steps, about a microsecond a step); split in
-two (the default past 8 rows) it took 14.6 us, while splits of one or two steps each lost to the
-extra partials at 128 rows (:func:`default_blocks`). At N = 1
+loads, so a program walking all of C is latency-bound however few bytes it reads (at 32 rows, unsplit,
+far above its bytes' floor); split in two (the default past 8 rows) it is about twice as fast, while
+splits of one or two steps each lose to the extra partials at 128 rows (:func:`default_blocks`; measured:
+bench/results/2026-12-01-h200-perf3/README.md). At N = 1
 ``block_e`` = 2 and S = 1 spread the matrix over E / 2 programs (128 at E = 256), each loading its
 16 KiB in one or two steps. W_router is read once per block of rows (ceil(N / block_n) times, from
 L2 after the first). Kernel 2, one program per row: the logits are the sum of the S partials
@@ -29,14 +29,13 @@ keys that order by (prob, lower id), each removing its winner. No atomics, no ho
 by (N, E, C, blocks): a run repeats bit for bit and a CUDA-graph replay equals the eager call (a
 different S sums in a different order: the same logits to rounding, not bitwise).
 bench/kernels/bench_moe_router.py measures it against the floor (E C x 4 bytes over the copy
-bandwidth): on the H200 5.9 us at one row (E = 256, C = 2048, k = 8) against 19.8 us for the
-torch sequence it replaced (bench/results/2026-12-01-h200/kernels/router.log).
+bandwidth) and against the torch sequence it replaced, which it beats about three times over at one row
+(measured: bench/results/2026-12-01-h200/kernels/router.log).
 
-Tried and dropped (perf14 call 8, bench/results/2026-12-04-h200-perf14, the code in c8-router-fused.diff.txt): both
-kernels in one launch, the last logits program of each row block (by a ticket) selecting for the block's rows. At the
-35B-A3B router with its shared gate, graphs of 128 routers, interleaved rounds: 6.70 against 6.09 us a layer at one
-row, 14.35 against 7.09 at 8, 27.35 against 14.93 at 16 (the same ids; weights within 3e-8). The select's
-``[rows, E]`` tiles in the GEMV's 8-warp programs cost more than the launch they save.
+Both kernels in one launch (the last logits program of each row block, by a ticket, selecting for the block's
+rows) was tried and was slower at 1, 8 and 16 rows: the select's ``[rows, E]`` tiles in the GEMV's 8-warp
+programs cost more than the launch they save (measured: bench/results/2026-12-04-h200-perf14/, the code in
+c8-router-fused.diff.txt).
 
 The shared expert as one more pair (``shared_gate=True``): w_router is ``[E + 1, C]``, its last row
 the shared expert's gate vector; kernel 1 computes its logit with the others, kernel 2 leaves it out
@@ -82,14 +81,12 @@ class RouterBlocks:
 
 def default_blocks(rows: int, num_experts: int, hidden: int) -> RouterBlocks:
     """About 8K products in flight per program at 4 warps, 16K at 8 (64 fp32 accumulator registers
-    a thread); the grid in the hundreds of programs for 132 SMs. From the H200 sweeps
-    (bench/kernels/bench_moe_router.py, E = 256 / 512, per layer): C unsplit up to 8 rows, two experts
-    a program at one row and, from 2 to 8 rows, one expert a program over 16K products at 8 warps (at
-    8 rows 7.0 vs 8.6 us with two over 4K, bench/results/2026-12-01-h200-perf3/call1-router.log). Past 8
-    rows 16 rows and 8 experts a program in C steps of 128 at 8 warps, C split in two: at E = 256 14.6
-    us at 32 rows and 26.3 at 128 (33.9 and 31.2 unsplit in 64-wide steps at 4 warps; 8 splits of two
-    steps each were worse at 128 rows, 46.6), at E = 512 25.0 and 67.6 (the best and second best
-    tried; perf3/call3-router.json)."""
+    a thread); the grid in the hundreds of programs for 132 SMs. The rule, the fastest of the sweeps of
+    bench/kernels/bench_moe_router.py (E = 256 / 512, per layer): C unsplit up to 8 rows, two experts
+    a program at one row and, from 2 to 8 rows, one expert a program over 16K products at 8 warps (measured:
+    bench/results/2026-12-01-h200-perf3/call1-router.log). Past 8 rows 16 rows and 8 experts a program in
+    C steps of 128 at 8 warps, C split in two (the best tried at E = 256 and 512; unsplit 64-wide steps and 8
+    splits were slower; measured: bench/results/2026-12-01-h200-perf3/call3-router.json)."""
     block_n = min(triton.next_power_of_2(max(rows, 1)), 16)
     if rows > 8:
         block_e = min(8, triton.next_power_of_2(num_experts))

@@ -13,8 +13,8 @@ Two implementations of one function:
   split into 16-bit halves, since int64 cannot hold them), for CPU and as a cross-check. A CPU call
   with at most ``SMALL_BATCH`` keys (every call of a decode or verify step at a few requests) takes
   the shared scalar Philox of ``reference/request/rng.py`` over Python ints instead: the tensor form
-  is about 150 tensor operations whatever the size, 0.5 ms of dispatch for a handful of keys, where
-  the scalar loop costs microseconds per key. Both give the same words (conformance/ops/test_philox.py).
+  is about 150 tensor operations whatever the size, whose dispatch costs far more for a handful of keys
+  than the scalar loop's microseconds per key. Both give the same words (conformance/ops/test_philox.py).
 """
 
 from __future__ import annotations

@@ -103,4 +103,4 @@ def test_sharded_draft_loads_the_same(tmp_path, draft_dir, target_cfg):
 
 def test_config_refusal_comes_first(draft_dir, target_cfg):
     with pytest.raises(ConfigError, match="speculative_num_steps"):
-        load_draft(draft_dir, target_cfg, num_steps=99)
+        load_draft(draft_dir, target_cfg, k=99)

@@ -83,16 +83,16 @@ def test_refusal_names_the_field(raw, target_cfg, mutate, field):
         parse_draft_config(raw, target_cfg)
 
 
-@pytest.mark.parametrize("num_steps", [0, 8, -1, 2.0])
-def test_k_outside_one_to_block_minus_one(raw, target_cfg, num_steps):
+@pytest.mark.parametrize("k", [0, 8, -1, 2.0])
+def test_k_outside_one_to_block_minus_one(raw, target_cfg, k):
     with pytest.raises(ConfigError, match="speculative_num_steps"):
-        parse_draft_config(raw, target_cfg, num_steps)
+        parse_draft_config(raw, target_cfg, k)
 
 
 def test_accepts_the_released_layout_and_resolves_k(raw, target_cfg):
     cfg = parse_draft_config(raw, target_cfg)
-    assert cfg.num_steps == cfg.block_size - 1 == 7
-    assert parse_draft_config(raw, target_cfg, 1).num_steps == 1
+    assert cfg.k == cfg.block_size - 1 == 7
+    assert parse_draft_config(raw, target_cfg, 1).k == 1
     assert cfg.num_conv_groups * cfg.conv_group_size == cfg.hidden_size
     zero_cap = copy.deepcopy(raw)
     zero_cap["dflash_config"]["final_logit_softcapping"] = 0.0  # 0 means off (vLLM, z-lab MLX)
@@ -109,4 +109,4 @@ def test_bad_draft_path(tmp_path, target_cfg, case):
 
 def test_loads_from_a_folder(tmp_path, raw, target_cfg):
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    assert load_draft_config(tmp_path, target_cfg, 3).num_steps == 3
+    assert load_draft_config(tmp_path, target_cfg, 3).k == 3

@@ -41,7 +41,7 @@ def test_drafts_are_not_degenerate(draft):
     for anchor in range(0, cfg.vocab_size, 7):
         block = draft.forward_block(anchor, 16, positions, k, v)
         assert torch.isfinite(block.logits).all()
-        paths.add(tuple(select(block, selector, anchor, cfg.num_steps, 0.0).tokens.tolist()))
+        paths.add(tuple(select(block, selector, anchor, cfg.k, 0.0).tokens.tolist()))
         top_q.append(float(select(block, selector, anchor, 1, 1.0, [0.5]).draft_probs.max()))
     assert len(paths) > 3  # the drafts depend on the anchor
     assert 0.2 < sum(top_q) / len(top_q) < 0.98  # q is neither one-hot nor flat
@@ -66,7 +66,7 @@ def test_end_to_end_on_a_real_tiny_target(tmp_path):
     anchor, s = int(out.logits[-1].argmax()), 12
     block = draft.forward_block(anchor, s, torch.arange(12), k, v)
     selector = CandidateSelector.from_draft(cfg, weights)
-    greedy = select(block, selector, anchor, cfg.num_steps, 0.0)
+    greedy = select(block, selector, anchor, cfg.k, 0.0)
     sampled = select(block, selector, anchor, 3, 1.0, selector_uniforms(11, s, 3))
     assert greedy.tokens.shape == (7,) and sampled.tokens.shape == (3,)
     assert int(greedy.tokens.max()) < target_cfg.vocab_size and torch.isfinite(sampled.draft_probs).all()

@@ -57,7 +57,7 @@ def test_chaining_is_appending_a_pair_and_rollback_restores(mtp_inputs):
     cache = mtp.new_cache()
     mtp.forward(hidden[:-1], tokens[:-1], cache)
     prefix = cache.clone()
-    drafts = greedy_chain(mtp, hidden[-1], int(tokens[-1]), cache, num_drafts=3)
+    drafts = greedy_chain(mtp, hidden[-1], int(tokens[-1]), cache, k=3)
     assert len(drafts) == 3 and cache.length == prefix.length + 3
 
     # By hand: step 1 reads the target pair; steps 2, 3 read the MTP's own hidden output and draft.

@@ -23,8 +23,8 @@ class TinyStack:
     draft_path: object
     target_weights: dict
 
-    def draft(self, num_steps: int | None = None) -> ReferenceDraft:
-        cfg, weights = load_draft(self.draft_path, self.target.cfg, num_steps)
+    def draft(self, k: int | None = None) -> ReferenceDraft:
+        cfg, weights = load_draft(self.draft_path, self.target.cfg, k)
         return ReferenceDraft(cfg, weights, self.target_weights)
 
 

@@ -51,7 +51,7 @@ def exact_law(target) -> dict[tuple[int, ...], float]:
 def empirical_law(target, new_proposer, runs: int) -> dict[tuple[int, ...], float]:
     counts: dict[tuple[int, ...], int] = {}
     for seed in range(runs):
-        out = speculative_generate(target, new_proposer(), PROMPT, sampling(seed), num_steps=2).token_ids
+        out = speculative_generate(target, new_proposer(), PROMPT, sampling(seed), k=2).token_ids
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
     return {cell: n / runs for cell, n in counts.items()}
 
