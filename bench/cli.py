@@ -7,10 +7,10 @@ import sys
 import time
 from pathlib import Path
 
+from dflash2.fast.engine.config import LOAD_FORMATS, SPEED_SWITCHES
 from dflash2.reference.formats.errors import UserInputError
 
 SETTING_NAMES = ("off", "mtp3", "mtp7", "dflash3", "dflash7")
-LOAD_FORMATS = ("auto", "dummy")
 
 
 def _int_list(text: str) -> list[int]:
@@ -61,6 +61,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                         "(e.g. the seed's 5.47); random weights accept nothing")
     p.add_argument("--out", default=None, help="results folder (default: bench/results/<date>-<gpu>)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    for switch in SPEED_SWITCHES:  # EngineConfig's speed switches, each on by default: --no-side-stream, ...
+        p.add_argument(f"--{switch.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=True,
+                       help=f"EngineConfig.{switch} (A/B timing; the tokens are the same either way)")
     p.add_argument("--profile", action="store_true", help="add each run's top kernels by GPU time (torch profiler)")
     p.set_defaults(func=run_bench)
 
@@ -84,5 +87,6 @@ def run_bench(args: argparse.Namespace) -> int:
                            max_tokens=args.max_tokens,
                            simulate_tokens_per_step=args.simulate_tokens_per_step, out_dir=out,
                            command="ft " + " ".join(sys.argv[1:]), profile=args.profile,
-                           extra={"enforce_eager": args.enforce_eager})
+                           extra={"enforce_eager": args.enforce_eager,
+                                  **{switch: getattr(args, switch) for switch in SPEED_SWITCHES}})
     return main(bench_args)

@@ -19,6 +19,7 @@ from dflash2.reference.formats.errors import ConfigError, expect, is_int
 
 SPECULATIVE_ALGORITHMS = ("none", "mtp", "dflash")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (reference/tiny/dummy.py)
+SPEED_SWITCHES = ("side_stream", "propose_ahead", "pdl", "l2_prefetch")  # each off gives the same tokens (A/B timing)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 AUTO = "auto"
@@ -94,7 +95,7 @@ class EngineConfig:
                "an integer in [0, 2^63)")
         expect(self.load_format in LOAD_FORMATS, ConfigError, "load_format", self.load_format,
                f"one of {LOAD_FORMATS}")
-        for name in ("enforce_eager", "side_stream", "propose_ahead", "pdl", "l2_prefetch"):
+        for name in ("enforce_eager", *SPEED_SWITCHES):
             expect(isinstance(getattr(self, name), bool), ConfigError, name, getattr(self, name), "a bool")
 
     def resolved(self) -> EngineConfig:
@@ -129,8 +130,7 @@ def _field(name: str):
 
 # flags of ``ft generate`` that fill EngineConfig fields (model_path is --model, the spec flags are shared)
 ENGINE_FLAGS = ("dtype", "device", "max_running_req", "max_num_batched_tokens", "page_size", "memory_ratio",
-                "cpu_cache_bytes", "max_model_len", "load_format", "enforce_eager", "side_stream", "propose_ahead", "pdl",
-                "l2_prefetch")
+                "cpu_cache_bytes", "max_model_len", "load_format", "enforce_eager", *SPEED_SWITCHES)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

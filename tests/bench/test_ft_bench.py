@@ -112,3 +112,23 @@ def test_repeated_pairs_report_their_median_ratio():
     assert median == pytest.approx(sorted([7.2 / 3.4, 7.1 / 3.5, 7.2 / 3.6, 7.0 / 3.3, 7.25 / 3.45])[2])
     (_, _, even), = ratio_medians(pairs[:4])
     assert even == pytest.approx((sorted(r for _, _, r in pairs[:4])[1] + sorted(r for _, _, r in pairs[:4])[2]) / 2)
+
+
+def test_the_speed_switches_reach_the_engine(tiny, tmp_path, monkeypatch):
+    """``--no-side-stream`` and its kin turn off the EngineConfig fields of the same names; by default all are on."""
+    import dflash2.bench.run as bench_run
+
+    seen: list[dict] = []
+    real_llm = bench_run.LLM
+
+    def recording_llm(*args, **kwargs):
+        seen.append({k: kwargs[k] for k in ("side_stream", "propose_ahead", "pdl", "l2_prefetch")})
+        return real_llm(*args, **kwargs)
+
+    monkeypatch.setattr(bench_run, "LLM", recording_llm)
+    target, draft = tiny
+    common = ["bench", "--model", str(target), "--load-format", "dummy", "--runs", "off:1:9", "--max-tokens", "4"]
+    assert main([*common, "--out", str(tmp_path / "on")]) == 0
+    assert main([*common, "--no-side-stream", "--no-propose-ahead", "--no-pdl", "--no-l2-prefetch",
+                 "--out", str(tmp_path / "off")]) == 0
+    assert seen[0] == dict.fromkeys(seen[0], True) and seen[-1] == dict.fromkeys(seen[-1], False)
