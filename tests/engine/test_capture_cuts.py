@@ -44,7 +44,7 @@ def test_the_target_marks_its_layer_cuts(tmp_path):
     from dflash2.fast.llm import LLM
     from dflash2.reference.tiny.target import write_tiny_target
 
-    llm = LLM(write_tiny_target(tmp_path / "target", "tiny-dense", tokenizer=None), dtype=torch.float32)
+    llm = LLM(write_tiny_target(tmp_path / "target", "tiny-dense", tokenizer=None), dtype=torch.float32, device="cpu")
     target = llm.engine.model.target
     assert len(target.layers) == 6
     forwards, cuts = [], []
