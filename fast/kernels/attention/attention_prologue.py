@@ -110,6 +110,19 @@ def _qk_norm_rope_kernel(qkv_ptr, q_scale_ptr, k_scale_ptr, cos_ptr, sin_ptr, wr
         tl.store(vc_ptr + slot * stride_vc + (head - H) * stride_vh + d, v.to(vc_ptr.dtype.element_ty), mask=in_d)
 
 
+def _check_norm_and_rope(q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin: Tensor, rows: int, head_dim: int) -> int:
+    """The q/k norm scales (contiguous fp32 ``[D]``) and the RoPE rows (fp32 ``[rows, rd/2]``, rd <= D) both kernels
+    read; returns rd/2."""
+    for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
+        if scale.shape != (head_dim,) or scale.dtype != torch.float32 or not scale.is_contiguous():
+            raise ValueError(f"{name}: {list(scale.shape)} {scale.dtype}: expected contiguous fp32 [{head_dim}]")
+    half = cos.shape[-1]
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (rows, half) or t.dtype != torch.float32 or t.stride(-1) != 1 or 2 * half > head_dim:
+            raise ValueError(f"{name}: {list(t.shape)} {t.dtype}: expected fp32 [{rows}, rd/2] with rd <= {head_dim}")
+    return half
+
+
 def qk_norm_rope_triton(qkv: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin: Tensor, eps: float,
                         num_heads: int, num_kv_heads: int, key_cache: Tensor, value_cache: Tensor,
                         write_index: Tensor) -> Tensor:
@@ -125,13 +138,7 @@ def qk_norm_rope_triton(qkv: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tens
         if cache.dim() != 3 or cache.shape[1:] != (num_kv_heads, head_dim) or cache.stride(2) != 1:
             raise ValueError(f"{name}: {list(cache.shape)} strides {cache.stride()}: expected [S, {num_kv_heads}, "
                              f"{head_dim}] with unit last stride")
-    for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
-        if scale.shape != (head_dim,) or scale.dtype != torch.float32 or not scale.is_contiguous():
-            raise ValueError(f"{name}: {list(scale.shape)} {scale.dtype}: expected contiguous fp32 [{head_dim}]")
-    half = cos.shape[-1]
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (rows, half) or t.dtype != torch.float32 or t.stride(-1) != 1 or 2 * half > head_dim:
-            raise ValueError(f"{name}: {list(t.shape)} {t.dtype}: expected fp32 [{rows}, rd/2] with rd <= {head_dim}")
+    half = _check_norm_and_rope(q_scale, k_scale, cos, sin, rows, head_dim)
     if write_index.shape != (rows,):
         raise ValueError(f"write_index: {list(write_index.shape)}: expected [{rows}]")
     q = torch.empty((rows, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -197,13 +204,7 @@ def draft_qk_norm_rope_triton(q: Tensor, k: Tensor, q_scale: Tensor, k_scale: Te
                          "[N, Hkv, D] of one dtype")
     if q.stride(2) != 1 or k.stride(2) != 1:
         raise ValueError(f"q strides {q.stride()}, k strides {k.stride()}: expected a unit last stride")
-    for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
-        if scale.shape != (head_dim,) or scale.dtype != torch.float32 or not scale.is_contiguous():
-            raise ValueError(f"{name}: {list(scale.shape)} {scale.dtype}: expected contiguous fp32 [{head_dim}]")
-    half = cos.shape[-1]
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (rows, half) or t.dtype != torch.float32 or t.stride(-1) != 1 or 2 * half > head_dim:
-            raise ValueError(f"{name}: {list(t.shape)} {t.dtype}: expected fp32 [{rows}, rd/2] with rd <= {head_dim}")
+    half = _check_norm_and_rope(q_scale, k_scale, cos, sin, rows, head_dim)
     kv_heads = k.shape[1]
     q_out = torch.empty((rows, heads, head_dim), dtype=q.dtype, device=q.device)
     k_out = torch.empty((rows, kv_heads, head_dim), dtype=k.dtype, device=k.device)
