@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash2.fast.engine.config import LOAD_FORMATS, SPEED_SWITCHES
+from dflash2.fast.engine.config import LOAD_FORMATS, SPECULATIVE_DEPTHS, SPEED_SWITCHES
 from dflash2.reference.formats.errors import UserInputError
 
 SETTING_NAMES = ("off", "mtp3", "mtp7", "dflash3", "dflash7")
@@ -61,6 +61,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                         "(e.g. the seed's 5.47); random weights accept nothing")
     p.add_argument("--out", default=None, help="results folder (default: bench/results/<date>-<gpu>)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--speculative-depth", choices=SPECULATIVE_DEPTHS, default="fixed",
+                   help="fixed: every step drafts the setting's k; adaptive: each step the depth in 0..k with the most "
+                        "tokens per second (fast/speculative/depth.py); the report counts the depths chosen")
     for switch in SPEED_SWITCHES:  # EngineConfig's speed switches, each on by default: --no-side-stream, ...
         p.add_argument(f"--{switch.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=True,
                        help=f"EngineConfig.{switch} (A/B timing; the tokens are the same either way)")
@@ -88,5 +91,6 @@ def run_bench(args: argparse.Namespace) -> int:
                            simulate_tokens_per_step=args.simulate_tokens_per_step, out_dir=out,
                            command="ft " + " ".join(sys.argv[1:]), profile=args.profile,
                            extra={"enforce_eager": args.enforce_eager,
+                                  "speculative_depth": args.speculative_depth,
                                   **{switch: getattr(args, switch) for switch in SPEED_SWITCHES}})
     return main(bench_args)

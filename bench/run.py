@@ -136,6 +136,7 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
     if simulated is not None:
         simulated.schedule.restart()  # the same acceptance again, hence the same shapes
     clock.reset()
+    chosen_before = dict(engine.depth.chosen) if engine.depth is not None and engine.depth.adaptive else None
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     start = time.perf_counter()
@@ -177,6 +178,8 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
         "acceptance_by_position": clock.acceptance_by_position(k) if k else [],
     }
     row["floor_fraction"] = row["floor_ms"] / row["step_ms_median"] if steps else None
+    if chosen_before is not None:  # an adaptive depth: the steps of the timed run at each depth (the floor is k's)
+        row["depths_chosen"] = {d: n - chosen_before[d] for d, n in engine.depth.chosen.items()}
     if algorithm == "dflash":
         from dflash2.fast.engine.memory import dflash_slot_bytes
         row["ring_bytes_per_slot"], row["window_bytes_per_slot"] = dflash_slot_bytes(draft_cfg, model.config.torch_dtype)

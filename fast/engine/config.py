@@ -19,6 +19,7 @@ from dflash2.reference.formats.errors import ConfigError, expect, is_int
 
 SPECULATIVE_ALGORITHMS = ("none", "mtp", "dflash")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (reference/tiny/dummy.py)
+SPECULATIVE_DEPTHS = ("fixed", "adaptive")  # fast/speculative/depth.py
 SPEED_SWITCHES = ("side_stream", "propose_ahead", "pdl", "l2_prefetch")  # each off gives the same tokens (A/B timing)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -40,6 +41,9 @@ class EngineConfig:
     speculative_algorithm: str = "none"  # none | mtp | dflash
     speculative_draft_model_path: str | None = None  # the DFlash 2 draft folder (dflash only)
     speculative_num_steps: int | None = None  # k drafts per verify; None: block_size - 1 (dflash), 3 (mtp)
+    # fixed: every step drafts k; adaptive: each step the depth in 0..k that commits the most tokens per second,
+    # from measured step times and acceptance (fast/speculative/depth.py; a seed's sampled tokens then depend on load)
+    speculative_depth: str = "fixed"
     seed: int = 0  # seeds torch's global generator at startup; every sampling draw is keyed by the request's seed
     load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights (timing only)
     enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying captured CUDA graphs
@@ -88,6 +92,8 @@ class EngineConfig:
         if self.speculative_algorithm == "none" and self.speculative_num_steps is not None:
             raise ConfigError(f"speculative_num_steps={self.speculative_num_steps!r}: only used with "
                               "speculative_algorithm 'mtp' or 'dflash'")
+        expect(self.speculative_depth in SPECULATIVE_DEPTHS, ConfigError, "speculative_depth", self.speculative_depth,
+               f"one of {SPECULATIVE_DEPTHS}")
         expect(self.speculative_num_steps is None or is_int(self.speculative_num_steps), ConfigError,
                "speculative_num_steps", self.speculative_num_steps, "None or an integer (its range is checked at "
                "startup: >= 1 for mtp, 1 .. block_size - 1 for dflash)")
@@ -130,13 +136,13 @@ def _field(name: str):
 
 # flags of ``ft generate`` that fill EngineConfig fields (model_path is --model, the spec flags are shared)
 ENGINE_FLAGS = ("dtype", "device", "max_running_req", "max_num_batched_tokens", "page_size", "memory_ratio",
-                "cpu_cache_bytes", "max_model_len", "load_format", "enforce_eager", *SPEED_SWITCHES)
+                "cpu_cache_bytes", "max_model_len", "load_format", "speculative_depth", "enforce_eager", *SPEED_SWITCHES)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add ``--dtype``, ``--device``, ... with defaults read from :class:`EngineConfig`."""
-    types = {"dtype": str, "device": str, "memory_ratio": float, "load_format": str}
-    choices = {"load_format": LOAD_FORMATS}
+    types = {"dtype": str, "device": str, "memory_ratio": float, "load_format": str, "speculative_depth": str}
+    choices = {"load_format": LOAD_FORMATS, "speculative_depth": SPECULATIVE_DEPTHS}
     for name in ENGINE_FLAGS:
         default = _field(name).default
         flag = "--" + name.replace("_", "-")

@@ -36,6 +36,7 @@ from dflash2.reference.request.stopping import Stopper
 from dflash2.reference.request.trace import StepRecord
 
 from .config import EngineConfig
+from ..speculative.depth import depth_policy
 from ..speculative.step import SpeculativeStep
 from .graph_step import TargetGraphs
 from .logprobs import TokenLogprob
@@ -125,6 +126,10 @@ class Engine:
         self.runner = ModelRunner(self.model.target, self.model.pools, spec, page_size=cfg.page_size,
                                   device=self.model.pools.device, trace=trace, graphs=graphs,
                                   propose_ahead=cfg.propose_ahead)
+        # how deep each speculative step drafts (fast/speculative/depth.py); None for plain decoding
+        self.depth = depth_policy(cfg.speculative_depth, self.model.k) if self.model.k else None
+        # an adaptive depth runs steps of no drafts (k = 0) as a policy choice, so they replay a graph too
+        self.runner.graph_plain_steps = self.depth is not None and self.depth.adaptive
         self.stop_ids = frozenset(self.model.stop_token_ids)
         self._ids = itertools.count()  # thread-safe: a server validates requests beside the engine thread
         self.scheduler = self.new_scheduler()
@@ -143,7 +148,8 @@ class Engine:
         cfg = self.config
         return Scheduler(max_running_req=cfg.max_running_req, max_num_batched_tokens=cfg.max_num_batched_tokens,
                          page_size=cfg.page_size, num_pages=self.model.memory.num_pages,
-                         k=self.model.k, max_model_len=self.model.max_model_len)
+                         k=self.model.k, max_model_len=self.model.max_model_len,
+                         depth=self.depth.choose if self.depth is not None and self.depth.adaptive else None)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -337,7 +343,10 @@ class Engine:
                     chunk.req.first_token_s = time.perf_counter()
                     deltas.append(self._commit(chunk.req, [token], lp))
         elif self.model.k:
+            started = time.perf_counter()
             results = self.runner.verify(plan, top_logprobs=self._wanted_logprobs(plan.reqs))
+            self.depth.record(len(plan.reqs), max(plan.ks), time.perf_counter() - started, plan.ks,
+                              [r.num_accepted for r in results])
             logprobs = self.runner.logprobs or [None] * len(plan.reqs)
             for req, k, result, lp in zip(plan.reqs, plan.ks, results, logprobs):
                 req.num_verify_steps += 1

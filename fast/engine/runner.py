@@ -71,6 +71,7 @@ class ModelRunner:
                                           propose_ahead=propose_ahead)
         self.logprobs: list[list[TokenLogprob] | None] | None = None  # the last step's, when asked for
         self.epoch = 0  # steps run so far (prefill, decode, verify): StepGraphs' proposal ahead checks it
+        self.graph_plain_steps = False  # whether a verify step of no drafts at all replays a captured step too
 
     def sampling(self, params) -> SamplingTensors:
         return sampling_tensors(params, self.device)
@@ -151,7 +152,7 @@ class ModelRunner:
         self.logprobs = None
         reqs, ks = plan.reqs, plan.ks
         k = max(ks)
-        if (self.step_graphs is not None and top_logprobs is None and not self.trace and k
+        if (self.step_graphs is not None and top_logprobs is None and not self.trace and (k or self.graph_plain_steps)
                 and min(ks) == k):
             graphed = self._verify_graphed(reqs, k)
             if graphed is not None:

@@ -27,6 +27,7 @@ writes positions below its reserved budget (k is capped by the tokens it may sti
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -144,11 +145,12 @@ class Scheduler:
     """Queues, admission, chunking and resource accounting; no tensors (the runner builds those)."""
 
     def __init__(self, *, max_running_req: int, max_num_batched_tokens: int, page_size: int, num_pages: int,
-                 k: int = 0, max_model_len: int):
+                 k: int = 0, max_model_len: int, depth: Callable[[int], int] | None = None):
         self.max_running_req = max_running_req
         self.max_num_batched_tokens = max_num_batched_tokens
         self.page_size = page_size
-        self.k = k  # k of a speculative step, 0 for plain decoding
+        self.k = k  # k of a speculative step (its upper bound with an adaptive depth), 0 for plain decoding
+        self.depth = depth  # the number of running requests -> this step's k (fast/speculative/depth.py); None: k
         self.max_model_len = max_model_len
         self.pages = PageAllocator(num_pages)
         self.free_slots: deque[int] = deque(range(max_running_req))
@@ -198,16 +200,17 @@ class Scheduler:
         decoding = [r for r in self.running if r.prefill_done]
         if not decoding:
             return None
-        ks = [self.drafts_for(r) for r in decoding]
+        k = self.k if self.depth is None or not self.k else self.depth(len(decoding))
+        ks = [self.drafts_for(r, k) for r in decoding]
         for req, k in zip(decoding, ks):
             self.ensure_pages(req, req.anchor_position + k + 1)
         return DecodePlan(decoding, ks)
 
-    def drafts_for(self, req: Req) -> int:
-        """k for this request's next verify (``reference/speculative/loop.py``): a step emits up to k + 1
-        tokens, so draft no further than the request's end; with one token left, k = 0 and the step
-        emits the target's own (bonus) token."""
-        return min(self.k, req.max_new_tokens - len(req.output_ids) - 1)
+    def drafts_for(self, req: Req, k: int | None = None) -> int:
+        """This request's drafts in a step of depth k (default: the scheduler's k; ``reference/speculative/loop.py``):
+        a step emits up to k + 1 tokens, so draft no further than the request's end; with one token left, none,
+        and the step emits the target's own (bonus) token."""
+        return min(self.k if k is None else k, req.max_new_tokens - len(req.output_ids) - 1)
 
     def _schedule_prefill(self) -> PrefillPlan | None:
         budget = self.max_num_batched_tokens

@@ -15,7 +15,9 @@ so the prefill kernels compile at the row counts a full chunk uses; request i as
 (i + 1) (k + 1) + 1 tokens (k drafts per step, 0 for plain decoding), so the decode (or verify)
 batch shrinks from ``max_running_req`` to 1 and every batch bucket is stepped (a speculative step
 is uniform, so captured, while every request still has more than k tokens to go; where drafts are
-accepted, requests finish sooner and a bucket may be left to first use). Longer contexts (wider
+accepted, requests finish sooner and a bucket may be left to first use). An adaptive depth
+(``fast/speculative/depth.py``) runs both waves at its deepest depth and a greedy wave at each other one, so its
+every depth is captured and priced per bucket before the first request. Longer contexts (wider
 page tables) still capture on first use, one bucket at a time.
 """
 
@@ -43,8 +45,19 @@ def warm_up(engine: Engine) -> dict:
              [SamplingParams(max_tokens=m, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
               for i, m in enumerate(lengths)])
     started = time.perf_counter()
-    for params in waves:
-        for out in engine.generate(prompts, params):
+    requests = 0
+    policy = engine.depth if engine.depth is not None and engine.depth.adaptive else None
+    # an adaptive depth runs each of its depths: both waves at the deepest, a greedy wave at each other one
+    plan = [(engine.k if policy else None, wave) for wave in waves]
+    plan += [(depth, waves[0]) for depth in (policy.depths[:-1] if policy else ())]
+    for depth, wave in plan:
+        if depth is not None:
+            engine.scheduler.depth = lambda num_seqs, depth=depth: depth
+        for out in engine.generate(prompts, wave):
             if out.error is not None:
                 raise RuntimeError(f"warm-up request failed: {out.error}")
-    return {"requests": 2 * n, "seconds": time.perf_counter() - started}
+        requests += n
+    if policy is not None:  # keep the step costs measured, not the warm-up prompts' acceptance
+        engine.scheduler.depth = policy.choose
+        policy.forget_acceptance()
+    return {"requests": requests, "seconds": time.perf_counter() - started}

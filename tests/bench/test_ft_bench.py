@@ -132,3 +132,12 @@ def test_the_speed_switches_reach_the_engine(tiny, tmp_path, monkeypatch):
     assert main([*common, "--no-side-stream", "--no-propose-ahead", "--no-pdl", "--no-l2-prefetch",
                  "--out", str(tmp_path / "off")]) == 0
     assert seen[0] == dict.fromkeys(seen[0], True) and seen[-1] == dict.fromkeys(seen[-1], False)
+
+
+def test_an_adaptive_depth_run_reports_the_depths_it_chose(tiny, tmp_path):
+    target, draft = tiny
+    out = tmp_path / "adaptive"
+    assert main(["bench", "--model", str(target), "--draft", str(draft), "--load-format", "dummy", "--runs",
+                 "dflash7:2:9", "--max-tokens", "12", "--speculative-depth", "adaptive", "--out", str(out)]) == 0
+    run = json.loads((out / "bench.json").read_text())["runs"][0]
+    assert set(run["depths_chosen"]) == {"0", "1", "3", "7"} and sum(run["depths_chosen"].values()) == run["steps"]

@@ -79,3 +79,29 @@ def test_greedy_speculative_steps_replay_the_static_step(stack, algorithm):
     assert any(key.num_seqs == 4 for key in runner.step_graphs.graphs)  # a padded bucket replayed
     for a, b in zip(static, eager):
         assert a.error is None and a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("algorithm", ["mtp", "dflash"])
+def test_steps_of_changing_depth_replay_the_static_step_with_the_eager_tokens(stack, algorithm):
+    """An adaptive depth (here cycled step by step, plain k = 0 steps among them) replays a static step per depth,
+    with the tokens of eager steps at the same depths (mixed greedy and sampled requests)."""
+    import itertools
+
+    target, draft = stack
+    kwargs = dict(dtype=torch.float32, max_running_req=5, speculative_algorithm=algorithm, speculative_depth="adaptive",
+                  speculative_draft_model_path=draft if algorithm == "dflash" else None)
+
+    def cycling(llm):
+        depths = itertools.cycle(llm.engine.depth.depths)
+        llm.engine.scheduler.depth = lambda num_seqs: next(depths)
+        return llm
+
+    eager = cycling(LLM(target, **kwargs)).generate(PROMPTS, PARAMS)
+    llm = cycling(LLM(target, **kwargs))
+    runner = llm.engine.runner
+    max_pages = pages_for(llm.engine.model.max_model_len, llm.engine.config.page_size)
+    runner.step_graphs = StepGraphs(runner.spec, max_seqs=5, max_pages=max_pages)
+    static = llm.generate(PROMPTS, PARAMS)
+    assert {key.rows_per_seq for key in runner.step_graphs.graphs} >= {1, 2}  # k = 0 and k = 1 steps replayed
+    for a, b in zip(static, eager):
+        assert a.error is None and a.token_ids == b.token_ids

@@ -40,3 +40,24 @@ def test_warm_up_steps_every_bucket_and_leaves_the_engine_idle(stack, algorithm)
     if algorithm != "none":
         assert {key.sampling.any_sampled for key in keys} == {False, True}
     assert engine.pool_usage().idle
+
+
+def test_an_adaptive_depth_warms_up_every_depth_and_keeps_their_costs(stack):
+    """Each depth of the policy steps every batch bucket before the first request; the policy keeps what the
+    steps cost (the shallow depths run several uniform steps a bucket: priced before serving) and forgets the
+    warm-up prompts' acceptance, and chooses the depths again afterwards."""
+    target, draft = stack
+    llm = LLM(target, dtype=torch.float32, max_running_req=5, speculative_algorithm="dflash",
+              speculative_draft_model_path=draft, speculative_depth="adaptive")
+    engine, runner = llm.engine, llm.engine.runner
+    max_pages = pages_for(engine.max_model_len, engine.config.page_size)
+    runner.graphs = TargetGraphs(runner.target, runner.pools, max_seqs=5, max_pages=max_pages)
+    runner.step_graphs = StepGraphs(runner.spec, max_seqs=5, max_pages=max_pages)
+    policy = engine.depth
+    report = warm_up(engine)
+    assert report["requests"] == 5 * (2 + len(policy.depths) - 1)
+    stepped = {(key.rows_per_seq - 1, key.num_seqs) for key in runner.step_graphs.graphs}
+    assert {(d, b) for d in policy.depths for b in (1, 2, 4)} <= stepped
+    assert all(policy.costs[(b, d)].seconds is not None for d in policy.depths[:-1] for b in (1, 2, 4))  # priced
+    assert policy.alpha.tolist() == [policy.prior_alpha] * policy.k
+    assert engine.scheduler.depth == policy.choose and engine.pool_usage().idle
