@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,11 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                         "(e.g. the seed's 5.47); random weights accept nothing")
     p.add_argument("--out", default=None, help="results folder (default: bench/results/<date>-<gpu>)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--cpu-cache-bytes", type=int, default=None,
+                   help="CPU: the cache budget (default: EngineConfig's); the DFlash ring of many requests needs more")
+    p.add_argument("--prompts", default=None,
+                   help="a JSON file {\"prompts\": [text, ...]} encoded by the model's tokenizer and cycled over each run's "
+                        "requests (each cut to the run's prompt_len) instead of random ids: real acceptance")
     p.add_argument("--speculative-depth", choices=SPECULATIVE_DEPTHS, default="fixed",
                    help="fixed: every step drafts the setting's k; adaptive: each step the depth in 0..k with the most "
                         "tokens per second (fast/speculative/depth.py); the report counts the depths chosen")
@@ -71,11 +77,24 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_bench)
 
 
+def load_prompts(path: str) -> list[str]:
+    """The texts of a ``--prompts`` file, refused with the field and what was expected."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UserInputError(f"prompts={path!r}: expected a readable JSON file ({e})") from None
+    texts = data.get("prompts") if isinstance(data, dict) else None
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise UserInputError(f"prompts={path!r}: expected {{\"prompts\": [non-empty text, ...]}}")
+    return texts
+
+
 def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from .run import SETTINGS, BenchArgs, main
 
+    prompts = load_prompts(args.prompts) if args.prompts else None
     runs = args.runs or [(s, c, n) for n in args.prompt_lens for c in args.concurrency for s in args.settings]
     if any(SETTINGS[s][0] == "dflash" for s, _, _ in runs) and not args.draft:
         raise UserInputError(f"settings={','.join(sorted({s for s, _, _ in runs}))}: the dflash settings need --draft "
@@ -89,8 +108,9 @@ def run_bench(args: argparse.Namespace) -> int:
     bench_args = BenchArgs(model=args.model, draft=args.draft, load_format=args.load_format, runs=runs,
                            max_tokens=args.max_tokens,
                            simulate_tokens_per_step=args.simulate_tokens_per_step, out_dir=out,
-                           command="ft " + " ".join(sys.argv[1:]), profile=args.profile,
+                           command="ft " + " ".join(sys.argv[1:]), profile=args.profile, prompts=prompts,
                            extra={"enforce_eager": args.enforce_eager,
                                   "speculative_depth": args.speculative_depth,
+                                  **({"cpu_cache_bytes": args.cpu_cache_bytes} if args.cpu_cache_bytes else {}),
                                   **{switch: getattr(args, switch) for switch in SPEED_SWITCHES}})
     return main(bench_args)

@@ -64,6 +64,7 @@ class BenchArgs:
     command: str = ""
     profile: bool = False
     extra: dict = field(default_factory=dict)
+    prompts: list[str] | None = None  # texts (through the model's tokenizer) in place of random ids, cycled
 
 
 class StepClock:
@@ -130,7 +131,13 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
     clock = StepClock(runner, before_verify=simulated.next_step if simulated is not None else None)
     gen = torch.Generator().manual_seed(prompt_len * 1000 + concurrency)
     vocab = model.target_cfg.vocab_size
-    prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(concurrency)]
+    if args.prompts:  # real text, so real weights accept what they would in use; prompt_len caps each prompt
+        if llm.tokenizer is None:
+            raise ValueError(f"prompts: {args.model} has no tokenizer to encode them")
+        texts = [args.prompts[i % len(args.prompts)] for i in range(concurrency)]
+        prompts = [llm.tokenizer.encode(text)[:prompt_len] for text in texts]
+    else:
+        prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(concurrency)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params)  # warm-up: the same shapes, so graphs and kernels are ready
     if simulated is not None:
@@ -178,6 +185,8 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
         "acceptance_by_position": clock.acceptance_by_position(k) if k else [],
     }
     row["floor_fraction"] = row["floor_ms"] / row["step_ms_median"] if steps else None
+    if args.prompts:  # the texts' lengths, not prompt_len (their cap)
+        row["prompt_tokens_mean"] = sum(map(len, prompts)) / len(prompts)
     if chosen_before is not None:  # an adaptive depth: the steps of the timed run at each depth (the floor is k's)
         row["depths_chosen"] = {d: n - chosen_before[d] for d, n in engine.depth.chosen.items()}
     if algorithm == "dflash":

@@ -141,3 +141,18 @@ def test_an_adaptive_depth_run_reports_the_depths_it_chose(tiny, tmp_path):
                  "dflash7:2:9", "--max-tokens", "12", "--speculative-depth", "adaptive", "--out", str(out)]) == 0
     run = json.loads((out / "bench.json").read_text())["runs"][0]
     assert set(run["depths_chosen"]) == {"0", "1", "3", "7"} and sum(run["depths_chosen"].values()) == run["steps"]
+
+
+def test_text_prompts_replace_random_ids_and_a_bad_file_is_refused(tmp_path, capsys):
+    target = write_tiny_target(tmp_path / "target", "tiny-dense")  # with a tokenizer
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": ["def f(x):\n", "class A:\n    pass\n"]}))
+    out = tmp_path / "out"
+    assert main(["bench", "--model", str(target), "--load-format", "dummy", "--runs", "off:3:64", "--max-tokens", "4",
+                 "--prompts", str(prompts), "--out", str(out)]) == 0
+    run = json.loads((out / "bench.json").read_text())["runs"][0]
+    assert run["steps"] > 0 and 2 <= run["prompt_tokens_mean"] < 64  # the texts, cycled: not 64 random ids
+    for bad in ("{}", '{"prompts": []}', '{"prompts": ["", "x"]}', "not json"):
+        prompts.write_text(bad)
+        assert main(["bench", "--model", str(target), "--runs", "off:1:8", "--prompts", str(prompts)]) == 2
+        assert "prompts=" in capsys.readouterr().err
