@@ -176,12 +176,13 @@ class ModelRunner:
         flat_rows = [b * rows + i for b, kb in enumerate(ks) for i in range(kb + 1)]
         token_ids = torch.cat([anchor_tokens[:, None], draft_tokens], dim=1).reshape(-1)[eager.tensor(flat_rows)]
         lengths = [kb + 1 for kb in ks]
-        key = self._graph_key(reqs, lengths[0], True) if len(set(lengths)) == 1 else None
+        drafts = k > 0  # a step of no drafts at all runs as a decode (SpeculativeStep.verify_uniform)
+        key = self._graph_key(reqs, lengths[0], drafts) if len(set(lengths)) == 1 else None
         if key is not None:  # a uniform step: the captured verify forward
             batch, out = self.graphs.run(key, token_ids, starts=anchor_list, slots=[r.slot for r in reqs],
                                          tables=[r.pages for r in reqs], logits_rows=range(len(flat_rows)))
         else:  # no graph, or requests near their end verify fewer drafts: a ragged step, run eagerly
-            batch, out = eager.forward(reqs, anchor_list, lengths, token_ids, is_verify=True,
+            batch, out = eager.forward(reqs, anchor_list, lengths, token_ids, is_verify=drafts,
                                        logits_rows=range(len(flat_rows)), block_tables=tables)
         starts = torch.tensor([0] + lengths).cumsum(0).tolist()
         padded = [starts[b] + min(i, kb) for b, kb in enumerate(ks) for i in range(rows)]
@@ -215,7 +216,7 @@ class ModelRunner:
 
         def key_through(positions: int):  # the bucket of pages covering max(anchors) + positions
             return self.step_graphs.key_for(len(reqs), rows, max(held, -(-(max(anchors) + positions)
-                                                                         // self.page_size)), True)
+                                                                         // self.page_size)), k > 0)
         key = key_through(rows)
         if key is None:
             return None

@@ -12,9 +12,9 @@ that is the deepest; when B requests make a verify's k + 1 rows per request cost
 
 Both factors are measured, not assumed:
 
-- alpha_j from every uniform step's accepted counts (a request with k_b drafts that kept a tested positions
-  1..min(a + 1, k_b) and passed 1..a), as decayed counts (``half_life`` observations of a position), so a change
-  in the text or the sampling settles within a few dozen steps;
+- alpha_j from every step's accepted counts (a request with k_b drafts that kept a tested positions
+  1..min(a + 1, k_b) and passed 1..a), as counts decayed by half every ``half_life`` steps (whatever the batch
+  size), so a change in the text or the sampling settles within a few dozen steps;
 - T(B, k) as a decayed mean of the step's wall time per (batch bucket, k): the engine times each uniform step
   (host work included: it is what a request waits for). A bucket's depth is tried on first use, its first
   sample dropped (a first step compiles kernels or captures a graph), and after that every
@@ -81,7 +81,7 @@ class AdaptiveDepth:
 
     k: int
     depths: tuple[int, ...] = ()
-    half_life: float = 64.0  # observations of a position after which an old one weighs half
+    half_life: float = 16.0  # steps after which an observation weighs half
     cost_weight: float = 0.2  # weight of a new step-time sample in its decayed mean
     explore_every: int = 64  # steps of a bucket between two re-measurements of its stalest depth
     prior_alpha: float = 0.5  # alpha_j before any observation of position j (one observation's worth)
@@ -132,7 +132,7 @@ class AdaptiveDepth:
             positions = np.arange(1, self.k + 1)[None, :]
             tested = (positions <= np.minimum(kept + 1, ks_arr)[:, None]).sum(0)
             passed = (positions <= kept[:, None]).sum(0)
-            decay = 0.5 ** (tested / self.half_life)  # each observation of a position ages the old ones
+            decay = 0.5 ** (1.0 / self.half_life)
             self.accepted = self.accepted * decay + passed
             self.tested = self.tested * decay + tested
         if ks_arr.size and (ks_arr == k).all():

@@ -56,7 +56,11 @@ class SpeculativeStep:
     def verify_uniform(self, batch: ForwardBatch, proposal: DraftProposal, st: SamplingTensors,
                        anchors: Tensor) -> tuple[Tensor, Tensor]:
         """The rest of a step whose B requests all verify k = ``proposal.tokens.shape[1]`` drafts over ``batch``
-        (k + 1 rows each): forward, verify, commit, observe. Returns ``(num_accepted [B], emitted [B, k + 1])``."""
+        (k + 1 rows each): forward, verify, commit, observe. Returns ``(num_accepted [B], emitted [B, k + 1])``.
+
+        A step of no drafts (k = 0, a plain step of an adaptive depth) may run ``batch`` as a decode
+        (``is_verify`` False): every row is committed, so the forward updates the GDN state in place and there is
+        nothing to commit, as in plain decoding; the verify still draws the token with the speculative keys."""
         num_seqs, k = proposal.tokens.shape
         early = self.proposer.observes_taps_only
         on_taps = (lambda taps: self.side.fork(lambda: self.proposer.observe_taps(batch, taps))) if early else None
@@ -64,7 +68,8 @@ class SpeculativeStep:
             out = self.target.forward(batch, self.pools, on_taps=on_taps)
             logits = out.logits.view(num_seqs, k + 1, -1)
             result = self.verifier(logits, proposal, [k] * num_seqs, st, anchors)
-            commit_verify(self.pools, batch, result.num_accepted + 1, out.meta)
+            if batch.is_verify:  # a step of no drafts ran as a decode: its GDN state is already the committed one
+                commit_verify(self.pools, batch, result.num_accepted + 1, out.meta)
             if not early:
                 self.proposer.observe(batch, out, result.num_accepted + 1)
         finally:
@@ -74,5 +79,6 @@ class SpeculativeStep:
     def commit_and_observe(self, batch: ForwardBatch, out: FastOutput, num_accepted: Tensor) -> None:
         """The eager step's end: the GDN commit, then the proposer sees every row with what was committed."""
         num_committed = num_accepted + 1
-        commit_verify(self.pools, batch, num_committed, out.meta)
+        if batch.is_verify:
+            commit_verify(self.pools, batch, num_committed, out.meta)
         self.proposer.observe(batch, out, num_committed)
