@@ -65,9 +65,9 @@ def test_without_triton_every_call_takes_the_torch_twin(monkeypatch):
 
 
 def test_the_first_tensor_argument_decides_the_device():
-    cuda_like = torch.empty(0, device="meta")
+    meta = torch.empty(0, device="meta")
     assert not dispatch.on_cuda((1, "x"), {})
-    assert not dispatch.on_cuda((cuda_like,), {})
+    assert not dispatch.on_cuda((meta,), {})
     assert not dispatch.on_cuda((), {"x": torch.zeros(1)})
 
 

@@ -61,9 +61,7 @@ class SkinnyConfig:
     # K columns of its W slice each program bulk-prefetches into L2 before its wait (_prefetch_weight): 0 none,
     # >= its K range all of it. It helps the 35B-A3B draft's conv kernel projections, q|k|v and o a little and
     # hurts gate|up and down, so only those three shapes use it (measured: bench/results/2026-12-04-h200-perf13/
-    # c3-skinny.log). Prefetching whole weights further ahead from a side stream was tried and was slower: the
-    # prefetches slow the short kernels on the chain's critical path more than they save the GEMMs (measured:
-    # bench/results/2026-12-04-h200-perf14/, the code in c6-draft-prefetch.diff.txt).
+    # c3-skinny.log; a side-stream prefetch further ahead, dropped: bench/results/2026-12-04-h200-perf14/).
     prefetch_k: int = 0
 
 

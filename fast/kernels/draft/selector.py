@@ -264,9 +264,8 @@ def _walk_kernel(cand_ptr, unary_ptr, proj_ptr, pred_ptr, succ_ptr, anchor_tok_p
     uniforms = philox_uniform(seed, anchor_pos + 0 * slots, _SELECTOR, slots + 1).to(tl.float64)  # u_1..u_k
     # slot i's candidates, unaries, g and successor rows do not depend on y_{i-1}: slot i issues slot i+1's loads
     # (the ids with its own A[y_{i-1}] gather, their Bc rows once its stores are out), so each slot waits on
-    # about one memory latency where the chain C_i -> Bc[C_i] and A[y_{i-1}] cost two. Loading each slot's
-    # [KSEL, RANK] tile of A rows beside the Bc rows and taking A[y_i] out of it after the pick (so no load waits
-    # on a pick) was tried and was slower (measured: bench/results/2026-12-04-h200-perf13/README.md).
+    # about one memory latency where the chain C_i -> Bc[C_i] and A[y_{i-1}] cost two (other load orders:
+    # bench/results/2026-12-04-h200-perf13/README.md).
     cand = tl.load(cand_ptr + b * K * KSEL + lanes, mask=in_k, other=0)
     unary = tl.load(unary_ptr + b * K * KSEL + lanes, mask=in_k, other=0.0)
     g = tl.load(proj_ptr + b * K * RANK + rk, mask=in_r, other=0.0)

@@ -106,13 +106,8 @@ def default_blocks(rows: int) -> MoEBlocks:
       bench/results/2026-12-04-h200-perf14/ for the overlap and its tiles);
     - 17 to 128 rows: fused, I tiles of 64 (not swept); past 128 rows, the same with 64-pair chunks.
 
-    Tried and slower at 8 and 16 rows, not worth trying again as such: the down kernel adding a row's k choices
-    itself in place of the sum kernel (bench/results/2026-12-02-h200-perf7/); the split form's gate/up and down
-    items in one persistent launch, whose 255-register programs keep too few loads in flight
-    (bench/results/2026-12-02-h200-perf8/). Sum-kernel C tiles other than 64 measured within the sweeps' spread
-    (bench/results/2026-12-03-h200-perf12/). At 1 row the split form with I tiles of 16 is faster alone but left
-    the engine's host-bound decode step no faster (bench/results/2026-12-03-h200-perf12/): kept out until the
-    decode step is GPU-bound."""
+    Alternatives measured and dropped (a fused sum, one persistent launch, other sum tiles, the split form at
+    1 row): bench/results/2026-12-02-h200-perf7/, -perf8/ and 2026-12-03-h200-perf12/."""
     if rows == 1:
         return MoEBlocks(block_c=256, num_stages=4)
     if rows <= 4:
@@ -274,10 +269,9 @@ def _moe_down_kernel(ids_ptr, h_ptr, down_ptr, partials_ptr, ready_ptr, num_pair
     With PDL it scans the ids before its wait, as pdl.py's early-read rule allows (the router wrote them two
     kernels back: the gate/up kernel, launched with PDL, triggers only after its own wait); h, the gate/up
     kernel's output, only after. A non-leader exits without waiting (it wrote nothing); every launch has
-    leaders (P > 0), and their waits keep the completion order pdl.py's rule (c) relies on. Asking L2 for the
-    weight tile there too, by ``prefetch.global.L2`` or by sm_90's bulk prefetch, was tried and was slower: the
-    hints compete with the gate/up kernel's own weight stream, which is what bounds both (measured:
-    bench/results/2026-12-03-h200-perf9/, bench/results/2026-12-04-h200-perf13/).
+    leaders (P > 0), and their waits keep the completion order pdl.py's rule (c) relies on. No L2 prefetch of
+    the weight tile there: the hints compete with the gate/up kernel's own weight stream, which bounds both
+    (bench/results/2026-12-03-h200-perf9/).
 
     OVERLAP (module docstring, "Overlapped split form"): the grid is (C tile, pair); a leader triggers its
     dependents at once, waits for ``ready[e] == NUM_I_TILES`` (acquire) instead of the grid-wide wait, reads h

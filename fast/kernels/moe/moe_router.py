@@ -32,10 +32,8 @@ bench/kernels/bench_moe_router.py measures it against the floor (E C x 4 bytes o
 bandwidth) and against the torch sequence it replaced, which it beats about three times over at one row
 (measured: bench/results/2026-12-01-h200/kernels/router.log).
 
-Both kernels in one launch (the last logits program of each row block, by a ticket, selecting for the block's
-rows) was tried and was slower at 1, 8 and 16 rows: the select's ``[rows, E]`` tiles in the GEMV's 8-warp
-programs cost more than the launch they save (measured: bench/results/2026-12-04-h200-perf14/, the code in
-c8-router-fused.diff.txt).
+Two launches rather than one: the select's ``[rows, E]`` tiles inside the GEMV's 8-warp programs would cost
+more than the launch saved (a fused form, dropped: bench/results/2026-12-04-h200-perf14/).
 
 The shared expert as one more pair (``shared_gate=True``): w_router is ``[E + 1, C]``, its last row
 the shared expert's gate vector; kernel 1 computes its logit with the others, kernel 2 leaves it out
