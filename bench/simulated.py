@@ -55,13 +55,15 @@ class SimulatedVerifier:
         """The next step's count, written to the device scalar (one small copy on the step's stream)."""
         self.keep.fill_(self.schedule())
 
-    def __call__(self, logits: Tensor, proposal: DraftProposal, ks: Sequence[int], st: SamplingTensors,
+    def __call__(self, logits: Tensor, proposal: DraftProposal, ks: Sequence[int] | Tensor, st: SamplingTensors,
                  anchor_positions: Tensor) -> VerifyOutput:
         real = self.inner(logits, proposal, ks, st, anchor_positions)
         drafts = proposal.tokens  # [B, k]
         if drafts.shape[1] == 0:
             return real
-        if len(set(ks)) == 1:
+        if isinstance(ks, Tensor):  # a captured step's limits, on the device
+            kept = torch.minimum(self.keep, ks)
+        elif len(set(ks)) == 1:
             kept = self.keep.clamp(max=ks[0]).expand(drafts.shape[0])
         else:
             kept = torch.minimum(self.keep, torch.tensor(list(ks), device=drafts.device))

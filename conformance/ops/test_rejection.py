@@ -206,3 +206,43 @@ def test_planted_bug_off_by_one_accept_slot_is_caught(monkeypatch):
     monkeypatch.setattr(rejection, "keyed_uniform_torch", shifted)
     with pytest.raises(AssertionError, match="request"):
         check_verify(verify_torch, make_case(batch=24, k=5, ksel=4, vocab=61, seed=504), "cpu")
+
+
+@pytest.mark.parametrize("k", [3, 7])
+def test_limits_verify_each_request_as_a_verify_of_its_own_k(impl_device, k):
+    """``limits[b]`` drafts verified out of k: EXACTLY what a verify of the first limits[b] drafts gives (same
+    keys, same draws), for every limit 0..k in one launch; a limit of 0 draws the bonus from row 0 as
+    ``sample`` does with the BONUS key. Rows and drafts past a limit are poisoned: they must not matter."""
+    from dflash2.fast.kernels.sampling.sampler import sample_torch, sample_triton
+
+    impl, device = impl_device
+    fn = pick(impl, verify_torch, verify_triton)
+    batch = 2 * (k + 1)
+    case = make_case(batch=batch, k=k, ksel=4, vocab=37, seed=900 + k)
+    limits = torch.arange(batch) % (k + 1)
+    logits, drafts = case.logits.clone(), case.drafts.clone()
+    for b, lim in enumerate(limits.tolist()):  # what lies past the limit: NaN rows, drafts that never match
+        logits[b, lim + 1:] = float("nan")
+        drafts[b, lim:] = 36 - drafts[b, lim:]
+    st = SamplingTensors.from_params(case.params, device)
+    on = functools.partial(torch.Tensor.to, device=device)
+    accepted, emitted = fn(on(logits), st, on(drafts), on(case.cand_ids), on(case.draft_probs), on(case.anchors),
+                           on(limits))
+    accepted, emitted = accepted.cpu(), emitted.cpu()
+    for lim in range(k + 1):
+        members = (limits == lim).nonzero()[:, 0]
+        sub = SamplingTensors.from_params([case.params[b] for b in members.tolist()], device)
+        if lim == 0:
+            draw = pick(impl, sample_torch, sample_triton)
+            want = draw(on(case.logits[members, 0]), sub, on(case.anchors[members]), Purpose.BONUS, 0).cpu()
+            assert accepted[members].tolist() == [0] * len(members)
+            assert emitted[members, 0].tolist() == want.tolist()
+            assert (emitted[members, 1:] == EMPTY).all()
+            continue
+        want_acc, want_emitted = fn(on(case.logits[members, :lim + 1]), sub, on(case.drafts[members, :lim]),
+                                    on(case.cand_ids[members, :lim]), on(case.draft_probs[members, :lim]),
+                                    on(case.anchors[members]))
+        assert accepted[members].tolist() == want_acc.cpu().tolist(), f"limit {lim}"
+        assert emitted[members, :lim + 1].tolist() == want_emitted.cpu().tolist(), f"limit {lim}"
+        assert (emitted[members, lim + 1:] == EMPTY).all()
+    assert accepted.tolist() != [0] * batch  # drafts were accepted somewhere: the limits bit

@@ -9,16 +9,17 @@ and at a few requests their launch gaps cost more than the weights' bytes. Each 
   parameters.
 - :class:`StepGraphs`: a whole speculative step, propose -> target verify forward -> verify -> commit ->
   observe (``fast/speculative/step.py``), greedy and sampled alike (the key carries the batch's sampling
-  summary, which fixes the filter's launches).
+  summary, which fixes the filter's launches). Requests that draft fewer than the step's k (near their
+  max_tokens) replay the same capture, each verifying only its own k_b (``StepFields.draft_limits``).
 
 A capture is a few CUDA graphs replayed back to back, cut between stages and between layers (two short graphs
 first, then layer groups: ``fast/model/capture.py``), so the host's launch of one overlaps the GPU's run of the
 one before. Capture happens on first use of a key, on all-padding inputs (the warm-up runs and the capture then
 touch only the trash slot and row), so no step runs twice. All graphs of one kind share one memory pool: they
 replay one at a time, and each step's outputs are read before the next replay (or, a step that launches the next
-proposal ahead, copied out first). A step that fits no graph (a prefill chunk, a verify whose requests draft
-different k, more requests than max_running_req, a traced step, CPU tensors, or ops that synchronise with the
-host) runs eagerly (``runner.py``); ``enforce_eager`` runs every step eagerly.
+proposal ahead, copied out first). A step that fits no graph (a prefill chunk, more requests than
+max_running_req, a traced step or one asking for logprobs, CPU tensors, or ops that synchronise with the host)
+runs eagerly (``runner.py``); ``enforce_eager`` runs every step eagerly.
 
 Eager and replay compute the same padded batch with the same kernels, so their outputs are equal bit for bit
 (``conformance/gpu/test_cuda_graphs.py``); an unpadded eager step may differ in rounding, since GEMM kernels
@@ -50,6 +51,7 @@ from ..model.batch import PAD_SLOT, ForwardBatch
 from ..model.pools import CachePools
 from ..speculative.step import SpeculativeStep
 from .propose_ahead import Prediction, ProposeAhead
+from .sampling import sample_next
 from .step_buffers import (PROPOSAL_FIELDS, GraphKey, StaticInputs, StepFields, batch_view, buckets, field_sizes,
                            fill_batch, fill_sampling, fill_values, page_bucket, real_rows)
 
@@ -151,7 +153,9 @@ class TargetGraphs(_KeyedGraphs):
 
     Beside the batch fields each graph's upload carries the rows' tokens and, for a decode, the requests'
     sampling parameters and draw positions: the step's only host-to-device copy (a copy from pageable memory
-    costs the host tens of microseconds while the GPU waits).
+    costs the host tens of microseconds while the GPU waits). A decode's key carries its batch's sampling
+    summary (``graph_summary``) and its capture draws the next tokens after the forward, so a sampled decode
+    step is one replay like a greedy one (the filter's and the draw's launches are inside it).
     """
 
     def __init__(self, target: FastTarget, pools: CachePools, *, max_seqs: int, max_pages: int):
@@ -160,12 +164,14 @@ class TargetGraphs(_KeyedGraphs):
 
     def run(self, key: GraphKey, tokens: Tensor | Sequence[int], *, starts: Sequence[int], slots: Sequence[int],
             tables: Sequence[Sequence[int]], logits_rows: Sequence[int],
-            sampling: tuple[Sequence[SamplingParams], Sequence[int]] | None = None) -> tuple[ForwardBatch, FastOutput]:
+            sampling: tuple[Sequence[SamplingParams], Sequence[int]] | None = None
+            ) -> tuple[ForwardBatch, FastOutput, Tensor | None]:
         """One replay for ``len(starts)`` sequences of ``key.rows_per_seq`` rows each (``fill_batch``'s host
         inputs). ``tokens``: the rows' ids, host ints (uploaded with the rest) or a device tensor ``[n]`` (copied
         after the upload). ``sampling`` (a decode): the requests' parameters and the positions their next tokens
-        are drawn at, for :meth:`sampling_views`. Returns the real sequences' batch and outputs: views of static
-        memory, valid until the next replay."""
+        are drawn at (also for :meth:`sampling_views`). Returns the real sequences' batch and outputs, and for a
+        key with a sampling summary (a decode) each request's next token ``[B]``, drawn in the same replay: views
+        of static memory, valid until the next replay."""
         step = self.graphs.get(key) or self._capture(key)
         host = step.inputs.begin_fill()
         fill_batch(host, key, starts=starts, slots=slots, tables=tables, logits_rows=logits_rows,
@@ -181,8 +187,9 @@ class TargetGraphs(_KeyedGraphs):
         n, m = len(tokens), len(logits_rows)
         if on_device:
             step.inputs.device.tokens[:n].copy_(tokens)
-        batch, out = step.replay()
-        return real_rows(batch, len(starts), n, m), FastOutput(out.logits[:m], out.hidden[:n], out.taps[:n])
+        batch, out, sampled = step.replay()
+        return (real_rows(batch, len(starts), n, m), FastOutput(out.logits[:m], out.hidden[:n], out.taps[:n]),
+                None if sampled is None else sampled[:len(starts)])
 
     def sampling_views(self, key: GraphKey, num_seqs: int, summary: HostSummary) -> tuple[SamplingTensors, Tensor]:
         """The sampling parameters and draw positions the last ``run`` of ``key`` uploaded, as device views
@@ -197,7 +204,12 @@ class TargetGraphs(_KeyedGraphs):
 
         def forward(fields: StepFields):
             batch = batch_view(fields, key, fields.tokens)
-            return batch, self.target.forward(batch, self.pools)
+            out = self.target.forward(batch, self.pools)
+            sampled = None
+            if key.sampling is not None:  # a decode: the next tokens too, so sampling launches nothing more
+                st = SamplingTensors(fields.temperature, fields.top_k, fields.top_p, fields.seeds, key.sampling)
+                sampled = sample_next(out.logits, st, fields.sample_positions)
+            return batch, out, sampled
 
         step = CapturedStep(inputs, forward, self.device, self.mempool)
         self.graphs[key] = step
@@ -219,9 +231,10 @@ class StepGraphs(_KeyedGraphs):
         self.field_reuses = 0  # steps that found their proposal fields on the device (tests, diagnostics)
 
     def run(self, key: GraphKey, *, anchors: Sequence[int], slots: Sequence[int], tables: Sequence[Sequence[int]],
-            anchor_tokens: Sequence[int], params: Sequence[SamplingParams], epoch: int = 0,
-            ahead: bool = False) -> list[list[int]]:
-        """One replay for ``len(anchors)`` requests (host inputs as ``fill_batch``'s). Returns, per request,
+            anchor_tokens: Sequence[int], params: Sequence[SamplingParams], ks: Sequence[int] | None = None,
+            epoch: int = 0, ahead: bool = False) -> list[list[int]]:
+        """One replay for ``len(anchors)`` requests (host inputs as ``fill_batch``'s); ``ks``: the drafts each
+        verifies, at most the key's k (None: k each). Returns, per request,
         ``[num_accepted, *emitted]``: the step's one device-to-host read. ``epoch``: the runner's step count
         (``propose_ahead.py``); ``ahead``: the caller expects the same requests to go on, so the step may launch
         the next step's proposal (a split step only)."""
@@ -246,6 +259,7 @@ class StepGraphs(_KeyedGraphs):
             self._fill_requests(host, anchors, anchor_tokens, params)
         fill_batch(host, key, starts=anchors, slots=None if split else slots, tables=tables,
                    logits_rows=range(num_seqs * key.rows_per_seq), page_size=self.page_size)
+        fill_values(host.draft_limits, ks if ks is not None else (), key.rows_per_seq - 1)
         step.inputs.upload("late" if split else "all")
         out = step.replay(start=PROPOSED if split else None)
         if not split:
@@ -301,7 +315,8 @@ class StepGraphs(_KeyedGraphs):
         proposal = self.spec.propose(fields.anchor_tokens, fields.anchors, fields.state_slots, tables, k, st)
         graph_cut(PROPOSED)  # the capture goes on in a new graph at each stage (fast/model/capture.py)
         token_ids = torch.cat([fields.anchor_tokens[:, None], proposal.tokens], dim=1).reshape(-1)
-        return self.spec.verify_uniform(batch_view(fields, key, token_ids), proposal, st, fields.anchors)
+        return self.spec.verify_uniform(batch_view(fields, key, token_ids), proposal, st, fields.anchors,
+                                        fields.draft_limits)
 
 
 def advance_proposal_fields(fields: StepFields, num_accepted: Tensor, emitted: Tensor) -> None:

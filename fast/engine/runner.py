@@ -10,9 +10,9 @@ Three kinds of step (``Scheduler.schedule``):
   (seed, s + 1, SAMPLE, 0). A captured target forward (``graph_step.TargetGraphs``) where the batch fits one;
 - verify: a speculative step (``fast/speculative/step.py``) for every request, k_b = ``plan.ks[b]``
   drafts each (a request near its end drafts fewer, which is what it would draft alone: every slot's draw is
-  keyed by its own slot). A captured whole step (``graph_step.StepGraphs``) when every request drafts the same
-  k and neither a trace nor logprobs are asked for; otherwise eagerly, with the batch's largest k proposed and
-  each request verifying its own k_b (``verify_ragged``).
+  keyed by its own slot). The batch's largest k is proposed and each request verifies its own k_b
+  (``verify_ragged``): a captured whole step (``graph_step.StepGraphs``, every request running k + 1 rows)
+  unless a trace or logprobs are asked for; otherwise eagerly, each request running its own k_b + 1 rows.
 
 The one device-to-host read per step is the committed tokens.
 
@@ -132,16 +132,18 @@ class ModelRunner:
         params = [r.params for r in reqs]
         positions = [a + 1 for a in anchors]
         key = self._graph_key(reqs, 1, False)
-        if key is not None:  # one upload carries the batch, the tokens and the sampling parameters
-            _, out = self.graphs.run(key, tokens, starts=anchors, slots=[r.slot for r in reqs],
-                                     tables=[r.pages for r in reqs], logits_rows=range(len(reqs)),
-                                     sampling=(params, positions))
-            st, positions_t = self.graphs.sampling_views(key, len(reqs), HostSummary.of(params))
+        if key is not None:  # one upload carries the batch, the tokens and the sampling parameters; one replay
+            key = replace(key, sampling=graph_summary(params))  # draws the next tokens too
+            _, out, sampled = self.graphs.run(key, tokens, starts=anchors, slots=[r.slot for r in reqs],
+                                              tables=[r.pages for r in reqs], logits_rows=range(len(reqs)),
+                                              sampling=(params, positions))
+            if top_logprobs is not None:
+                st, _ = self.graphs.sampling_views(key, len(reqs), HostSummary.of(params))
         else:
             st, positions_t = self.sampling(params), self.eager.tensor(positions)
             _, out = self.eager.forward(reqs, anchors, [1] * len(reqs), self.eager.tensor(tokens), is_verify=False,
                                         logits_rows=range(len(reqs)))
-        sampled = sample_next(out.logits, st, positions_t)
+            sampled = sample_next(out.logits, st, positions_t)
         if top_logprobs is not None:
             self.logprobs = self._committed_logprobs(out.logits, st, sampled, range(len(reqs)), top_logprobs)
         return sampled.tolist()
@@ -152,9 +154,8 @@ class ModelRunner:
         self.logprobs = None
         reqs, ks = plan.reqs, plan.ks
         k = max(ks)
-        if (self.step_graphs is not None and top_logprobs is None and not self.trace and (k or self.graph_plain_steps)
-                and min(ks) == k):
-            graphed = self._verify_graphed(reqs, k)
+        if self.step_graphs is not None and top_logprobs is None and not self.trace and (k or self.graph_plain_steps):
+            graphed = self._verify_graphed(reqs, ks)
             if graphed is not None:
                 return graphed
         return self._verify_eager(reqs, ks, top_logprobs)
@@ -178,9 +179,14 @@ class ModelRunner:
         lengths = [kb + 1 for kb in ks]
         drafts = k > 0  # a step of no drafts at all runs as a decode (SpeculativeStep.verify_uniform)
         key = self._graph_key(reqs, lengths[0], drafts) if len(set(lengths)) == 1 else None
-        if key is not None:  # a uniform step: the captured verify forward
-            batch, out = self.graphs.run(key, token_ids, starts=anchor_list, slots=[r.slot for r in reqs],
-                                         tables=[r.pages for r in reqs], logits_rows=range(len(flat_rows)))
+        sampling = None
+        if key is not None and not drafts:  # the plain decode's capture (its draw unused): no capture of its own
+            params = [r.params for r in reqs]
+            key, sampling = replace(key, sampling=graph_summary(params)), (params, [a + 1 for a in anchor_list])
+        if key is not None:  # a uniform step: the captured verify (or decode) forward
+            batch, out, _ = self.graphs.run(key, token_ids, starts=anchor_list, slots=[r.slot for r in reqs],
+                                            tables=[r.pages for r in reqs], logits_rows=range(len(flat_rows)),
+                                            sampling=sampling)
         else:  # no graph, or requests near their end verify fewer drafts: a ragged step, run eagerly
             batch, out = eager.forward(reqs, anchor_list, lengths, token_ids, is_verify=drafts,
                                        logits_rows=range(len(flat_rows)), block_tables=tables)
@@ -205,27 +211,31 @@ class ModelRunner:
                       for b, kb in enumerate(ks)]
         return [VerifyResult(a, e[:a + 1], t) for a, e, t in zip(accepted, emitted, traces)]
 
-    def _verify_graphed(self, reqs: Sequence[Req], k: int) -> list[VerifyResult] | None:
-        """``verify`` for requests that all draft k, by replaying the captured step; None if no graph fits.
+    def _verify_graphed(self, reqs: Sequence[Req], ks: Sequence[int]) -> list[VerifyResult] | None:
+        """``verify`` by replaying the captured step of k = max(ks) (request b verifying its first ks[b] drafts);
+        None if no graph fits.
 
         The step may launch the next one's proposal (``propose_ahead.py``) when every request will draft k again,
         whatever it accepts now, on the same graph."""
+        k = max(ks)
         rows = k + 1
         anchors = [r.anchor_position for r in reqs]
         held = max(len(r.pages) for r in reqs)
 
-        def key_through(positions: int):  # the bucket of pages covering max(anchors) + positions
-            return self.step_graphs.key_for(len(reqs), rows, max(held, -(-(max(anchors) + positions)
-                                                                         // self.page_size)), k > 0)
-        key = key_through(rows)
+        def key_through(end: int):  # the bucket of pages covering positions below ``end``
+            return self.step_graphs.key_for(len(reqs), rows, max(held, -(-end // self.page_size)), k > 0)
+        # the positions each request verifies (rows past its k_b write nothing where it holds no page)
+        key = key_through(max(a + kb + 1 for a, kb in zip(anchors, ks)))
         if key is None:
             return None
         # after this step (at most k + 1 tokens) each request still has k + 1 to go, and the pages the next
         # one can need (anchor + 2 (k + 1) positions) fit the same page bucket
-        ahead = all(r.max_new_tokens - len(r.output_ids) - rows > k for r in reqs) and key_through(2 * rows) == key
+        ahead = (all(r.max_new_tokens - len(r.output_ids) - rows > k for r in reqs)
+                 and key_through(max(anchors) + 2 * rows) == key)
         params = [r.params for r in reqs]
         key = replace(key, sampling=graph_summary(params))
         results = self.step_graphs.run(key, anchors=anchors, slots=[r.slot for r in reqs],
                                        tables=[r.pages for r in reqs], anchor_tokens=[r.output_ids[-1] for r in reqs],
-                                       params=params, epoch=self.epoch, ahead=ahead)  # [num_accepted, *emitted]
+                                       params=params, ks=ks, epoch=self.epoch,
+                                       ahead=ahead)  # [num_accepted, *emitted] per request
         return [VerifyResult(row[0], row[1:row[0] + 2], None) for row in results]

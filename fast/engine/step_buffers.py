@@ -13,7 +13,9 @@ Its inputs are a :class:`StepFields`: the ForwardBatch fields padded to the key 
 padding: padding sequences have R rows each, state slot and K/V slots ``PAD_SLOT``, no pages and context
 length 0, so they read the zero state, write only the trash slot and row and change nothing a real row
 reads), the requests' sampling parameters (padding requests are greedy), and per kind of step the rows'
-tokens and draw positions (a decode) or each request's anchor token and position (a speculative step).
+tokens and draw positions (a decode) or each request's anchor token and position and the drafts it verifies (a
+speculative step: every request runs k + 1 rows, and one near its max_tokens verifies only its first k_b of them,
+so a step whose requests draft different k replays the same capture).
 
 :class:`StaticInputs` keeps those fields, int64 and fp32, in one device buffer with a pinned host twin whose
 fields are numpy views: a step's fill is a few numpy writes (torch's CPU ops cost microseconds of dispatch
@@ -97,6 +99,7 @@ class StepFields(Generic[A]):
     # a speculative step: each request's anchor token and its position
     anchor_tokens: A | None = None  # [B]
     anchors: A | None = None  # [B]
+    draft_limits: A | None = None  # [B] k_b: the drafts each request verifies, <= k (padding requests: k)
 
 
 FLOAT_FIELDS = frozenset({"temperature", "top_p"})
@@ -110,7 +113,7 @@ def field_sizes(key: GraphKey, *, decode: bool) -> dict[str, int]:
     sizes = {"positions": b * r, "cu_seqlens": b + 1, "state_slots": b, "kv_slot_mapping": b * r,
              "block_tables": b * key.pages, "context_lens": b, "logits_rows": b * r,
              "temperature": b, "top_k": b, "top_p": b, "seeds": b}
-    extra = {"tokens": b * r, "sample_positions": b} if decode else {"anchor_tokens": b, "anchors": b}
+    extra = {"tokens": b * r, "sample_positions": b} if decode else {"anchor_tokens": b, "anchors": b, "draft_limits": b}
     return {**sizes, **extra}
 
 
@@ -190,6 +193,10 @@ def fill_batch(host: StepFields[np.ndarray], key: GraphKey, *, starts: Sequence[
     starts, slots: B' ints; tables: B' rows of page ids (a sequence's pages in order, at most P; -1 pads);
     logits_rows: M ints (padded with every row after them). Lists, numpy arrays or CPU tensors.
     ``slots=None`` leaves ``state_slots`` as written before (a step that uploaded it early).
+
+    A row at a position its table has no page for (a request verifying fewer drafts than the step's k, near its
+    end: its last rows may pass its pages, even max_model_len) writes nothing (``PAD_SLOT``), and the context a
+    sequence's rows read stops at its table's width, so no row reads or writes outside its own pages.
     """
     b, r, p = key.num_seqs, key.rows_per_seq, key.pages
     starts = np.asarray(starts, dtype=np.int64)
@@ -209,9 +216,12 @@ def fill_batch(host: StepFields[np.ndarray], key: GraphKey, *, starts: Sequence[
     host.kv_slot_mapping[:] = PAD_SLOT
     if num_seqs:
         seq = np.repeat(np.arange(num_seqs), r)
-        host.kv_slot_mapping[:n_real] = kv_slot_mapping(table, seq, positions, page_size)
+        page_index = np.minimum(positions // page_size, p - 1)
+        pages = table[seq, page_index]
+        held = (pages >= 0) & (positions < p * page_size)
+        host.kv_slot_mapping[:n_real] = np.where(held, pages * page_size + positions % page_size, PAD_SLOT)
     host.context_lens[:] = 0
-    host.context_lens[:num_seqs] = starts + r
+    host.context_lens[:num_seqs] = np.minimum(starts + r, p * page_size)
     logits_rows = np.asarray(logits_rows, dtype=np.int64)
     host.logits_rows[:] = np.arange(b * r)
     host.logits_rows[:logits_rows.size] = logits_rows

@@ -13,9 +13,9 @@ step graph is keyed by its batch's sampling summary (``runner.graph_summary``), 
 (top-k on, no filter at all) still capture on their first step. Their prompts together fill one prefill chunk,
 so the prefill kernels compile at the row counts a full chunk uses; request i asks for
 (i + 1) (k + 1) + 1 tokens (k drafts per step, 0 for plain decoding), so the decode (or verify)
-batch shrinks from ``max_running_req`` to 1 and every batch bucket is stepped (a speculative step
-is uniform, so captured, while every request still has more than k tokens to go; where drafts are
-accepted, requests finish sooner and a bucket may be left to first use). An adaptive depth
+batch shrinks from ``max_running_req`` to 1 and every batch bucket is stepped (a speculative step replays
+its k's capture even where requests near their end verify fewer drafts; where drafts are accepted, requests
+finish sooner and a bucket may be left to first use). An adaptive depth
 (``fast/speculative/depth.py``) runs both waves at its deepest depth and a greedy wave at each other one, so its
 every depth is captured and priced per bucket before the first request. Longer contexts (wider
 page tables) still capture on first use, one bucket at a time.

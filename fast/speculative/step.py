@@ -54,9 +54,11 @@ class SpeculativeStep:
                                      block_tables if self.proposer.reads_block_tables else None, k, st)
 
     def verify_uniform(self, batch: ForwardBatch, proposal: DraftProposal, st: SamplingTensors,
-                       anchors: Tensor) -> tuple[Tensor, Tensor]:
-        """The rest of a step whose B requests all verify k = ``proposal.tokens.shape[1]`` drafts over ``batch``
+                       anchors: Tensor, limits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The rest of a step whose B requests all run k = ``proposal.tokens.shape[1]`` drafts over ``batch``
         (k + 1 rows each): forward, verify, commit, observe. Returns ``(num_accepted [B], emitted [B, k + 1])``.
+        ``limits [B]`` (a device tensor; None: k each): request b verifies its first limits[b] drafts only, as a
+        step of that many would (a request near its end); its rows past them are computed and never committed.
 
         A step of no drafts (k = 0, a plain step of an adaptive depth) may run ``batch`` as a decode
         (``is_verify`` False): every row is committed, so the forward updates the GDN state in place and there is
@@ -67,7 +69,7 @@ class SpeculativeStep:
         try:
             out = self.target.forward(batch, self.pools, on_taps=on_taps)
             logits = out.logits.view(num_seqs, k + 1, -1)
-            result = self.verifier(logits, proposal, [k] * num_seqs, st, anchors)
+            result = self.verifier(logits, proposal, [k] * num_seqs if limits is None else limits, st, anchors)
             if batch.is_verify:  # a step of no drafts ran as a decode: its GDN state is already the committed one
                 commit_verify(self.pools, batch, result.num_accepted + 1, out.meta)
             if not early:

@@ -6,7 +6,7 @@ On CPU ``CapturedStep.replay`` runs the step function on the static fields, so e
 replay on the GPU runs here except the capture itself (conformance/gpu/test_cuda_graphs.py does that).
 The tokens must be the plain eager engine's (same keyed randomness), off / MTP / DFlash, dense and
 MoE: mixed greedy and sampled requests and all-greedy requests (plain decode replays the target
-forward; speculative steps replay the whole step function, sampled verification included).
+forward and its draw; speculative steps replay the whole step function, sampled verification included).
 """
 
 from __future__ import annotations
@@ -54,12 +54,31 @@ def test_the_static_step_path_gives_the_eager_tokens(stack, algorithm):
     runner.graphs = TargetGraphs(runner.target, runner.pools, max_seqs=5, max_pages=max_pages)
     if algorithm != "none":
         runner.step_graphs = StepGraphs(runner.spec, max_seqs=5, max_pages=max_pages)
-    static = llm.generate(PROMPTS, PARAMS)
+    eager_verify, eager_ks, ragged = runner._verify_eager, [], []
+
+    def counted(reqs, ks, top_logprobs):
+        eager_ks.append(ks)
+        return eager_verify(reqs, ks, top_logprobs)
+    runner._verify_eager = counted
+    original_run = StepGraphs.run
+
+    def run(self, key, **kw):  # the steps whose requests verify different k (near their max_tokens)
+        if kw["ks"] is not None and len(set(kw["ks"])) > 1:
+            ragged.append(kw["ks"])
+        return original_run(self, key, **kw)
+    StepGraphs.run = run
+    try:
+        static = llm.generate(PROMPTS, PARAMS)
+    finally:
+        StepGraphs.run = original_run
+    if algorithm != "none":  # requests near their end verified fewer drafts, on the captured step
+        # (a step of no drafts at all runs eagerly under a fixed depth: it is captured only for an adaptive one)
+        assert ragged and all(max(ks) == 0 for ks in eager_ks), (ragged, eager_ks)
     used = runner.graphs.graphs if algorithm == "none" else runner.step_graphs.graphs
     assert used, "no step went through the static path"
     assert any(key.num_seqs == 4 for key in used)  # a bucket was padded (3 running requests -> 4)
-    if algorithm != "none":  # sampled steps replayed too, with their summary in the key
-        assert any(key.sampling.any_sampled for key in used)
+    # sampled steps replayed too, with their summary in the key (a plain decode draws inside its replay)
+    assert any(key.sampling.any_sampled for key in used)
     for a, b in zip(static, eager):
         assert a.error is None and a.token_ids == b.token_ids
 

@@ -18,6 +18,11 @@ parameters and the filtered target distribution computed in place from the logit
 Outputs: ``num_accepted [B]`` and ``emitted [B, k+1]``: y_1..y_a, then the correction or bonus,
 then ``EMPTY`` (-1) padding.
 
+``limits [B]`` (optional): request b verifies only its first ``limits[b] <= k`` drafts, exactly as a
+verify of ``limits[b]`` drafts would (the same keys; rows and drafts past ``limits[b]`` do not change the result), the bonus
+after them drawn from p_{limits[b]+1}. A step whose requests draft different k (one near its max_tokens
+drafts fewer) so runs one launch shape, and a captured step replays it.
+
 Two implementations: ``verify_torch`` (the reference's operations batched over requests and
 slots, fp64, on ``row_filter.kept_weights_torch``) and ``verify_triton``: ``row_filter.filter_triton``
 over all B*(k+1) rows (max, argmax, cut, kept mass), then one program per request walks the k
@@ -69,17 +74,19 @@ def _emitted(draft_tokens: Tensor, num_accepted: Tensor, last_token: Tensor) -> 
 
 
 def verify_torch(target_logits: Tensor, st: SamplingTensors, draft_tokens: Tensor, cand_ids: Tensor,
-                 draft_probs: Tensor, anchor_positions: Tensor) -> tuple[Tensor, Tensor]:
+                 draft_probs: Tensor, anchor_positions: Tensor, limits: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """target_logits [B, k+1, V] (or [B*(k+1), V]), draft_tokens [B, k], cand_ids/draft_probs [B, k, K],
-    anchor_positions [B]. Returns num_accepted [B] long, emitted [B, k+1] long."""
+    anchor_positions [B], limits [B] (drafts verified per request, 0..k; None: k). Returns num_accepted [B]
+    long, emitted [B, k+1] long."""
     logits = _check_shapes(target_logits, draft_tokens, cand_ids, draft_probs)
     batch, k = draft_tokens.shape
     vocab = logits.shape[-1]
     rows = torch.arange(batch, device=logits.device)
     drafts = draft_tokens.long()
+    limit = torch.full((batch,), k, device=logits.device) if limits is None else limits.long().clamp(0, k)
 
     argmax = torch.argmax(logits, dim=-1)  # [B, k+1]
-    greedy_acc = torch.cumprod((drafts == argmax[:, :k]).long(), dim=1).sum(dim=1)
+    greedy_acc = torch.minimum(torch.cumprod((drafts == argmax[:, :k]).long(), dim=1).sum(dim=1), limit)
     if st.all_greedy:  # the host knows no request samples: no filter, no draws (as verify_triton)
         return greedy_acc, _emitted(drafts, greedy_acc, argmax[rows, greedy_acc])
 
@@ -96,9 +103,9 @@ def verify_torch(target_logits: Tensor, st: SamplingTensors, draft_tokens: Tenso
     accept_u = keyed_uniform_torch(st.seeds[:, None], anchor_positions[:, None], int(Purpose.ACCEPT),
                                    torch.arange(1, k + 1, device=logits.device)[None, :]).double()
     accepted = trusted & (accept_u * q_token < p_token)
-    sampled_acc = torch.cumprod(accepted.long(), dim=1).sum(dim=1)  # [B]
+    sampled_acc = torch.minimum(torch.cumprod(accepted.long(), dim=1).sum(dim=1), limit)  # [B]
 
-    rejected = sampled_acc < k
+    rejected = sampled_acc < limit
     slot = sampled_acc.clamp(max=k - 1)
     p_last = probs[rows, sampled_acc]  # [B, V]
     q_vocab = torch.zeros_like(p_last).scatter_add_(-1, cand_ids[rows, slot], q_norm[rows, slot])
@@ -123,10 +130,14 @@ def verify_torch(target_logits: Tensor, st: SamplingTensors, draft_tokens: Tenso
 def _verify_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, anchor_ptr, m_ptr,
                    argmax_ptr, cut_x_ptr, cut_id_ptr, z_ptr, z_stride, drafts_ptr, cand_ptr, dprobs_ptr,
                    num_accepted_ptr, emitted_ptr, draw_row_ptr, use_q_ptr, u_ptr, draw_slot_ptr, out_index_ptr,
-                   K: tl.constexpr, KSEL: tl.constexpr, KSEL_PAD: tl.constexpr, KEYS_PAD: tl.constexpr,
-                   VOCAB: tl.constexpr, GREEDY_ONLY: tl.constexpr):
-    """Request b's walk over its k slots; a sampled request leaves its final draw to ``_draw_kernel``."""
+                   limits_ptr, K: tl.constexpr, KSEL: tl.constexpr, KSEL_PAD: tl.constexpr, KEYS_PAD: tl.constexpr,
+                   VOCAB: tl.constexpr, GREEDY_ONLY: tl.constexpr, HAS_LIMITS: tl.constexpr):
+    """Request b's walk over its k slots (its first ``limits[b]`` with HAS_LIMITS); a sampled request leaves
+    its final draw to ``_draw_kernel``."""
     b = tl.program_id(0)
+    limit = b * 0 + K
+    if HAS_LIMITS:
+        limit = tl.minimum(tl.load(limits_ptr + b).to(tl.int32), K)
     temperature, greedy, k_on, p_on, top_k, top_p = row_params(temperature_ptr, top_k_ptr, top_p_ptr, b, VOCAB)
     num_acc = b * 0
     done = b * 0
@@ -142,7 +153,7 @@ def _verify_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr
     for i in tl.static_range(K):  # unrolled: every slot's loads issue at once, only the decisions chain
         row = b * (K + 1) + i
         y = tl.load(drafts_ptr + b * K + i)
-        ok = y == tl.load(argmax_ptr + row)
+        ok = (y == tl.load(argmax_ptr + row)) & (i < limit)
         if not GREEDY_ONLY:
             dp = tl.load(dprobs_ptr + (b * K + i) * KSEL + offs_k, mask=in_k, other=0.0).to(tl.float64)
             cid = tl.load(cand_ptr + (b * K + i) * KSEL + offs_k, mask=in_k, other=-1)
@@ -158,7 +169,7 @@ def _verify_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr
             # p(y) rounded to fp32, as the reference's probabilities are
             p_y = tl.where(kept, (w_y / tl.load(z_ptr + row * z_stride)).to(tl.float32).to(tl.float64), 0.0)
             u = tl.sum(tl.where(key == i, uniforms, 0.0), axis=0)
-            ok = tl.where(greedy, ok, trusted & (u * q_y < p_y))
+            ok = tl.where(greedy, ok, trusted & (u * q_y < p_y) & (i < limit))
             rej_trusted = tl.where((done == 0) & ~ok, trusted.to(tl.int32), rej_trusted)
         num_acc += tl.where((done == 0) & ok, 1, 0)
         done = tl.where(ok, done, 1)
@@ -167,7 +178,7 @@ def _verify_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr
     token = tl.load(argmax_ptr + row)
     tl.store(num_accepted_ptr + b, num_acc.to(tl.int64))
     if not GREEDY_ONLY:
-        rejected = num_acc < K
+        rejected = num_acc < limit
         tl.store(draw_row_ptr + b, tl.where(greedy, -1, row).to(tl.int64))
         tl.store(use_q_ptr + b, (rejected & (rej_trusted == 1)).to(tl.int32))
         tl.store(u_ptr + b, tl.sum(tl.where(key == tl.where(rejected, K, K + 1), uniforms, 0.0), axis=0))
@@ -180,7 +191,7 @@ def _verify_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr
 
 
 def verify_triton(target_logits: Tensor, st: SamplingTensors, draft_tokens: Tensor, cand_ids: Tensor,
-                  draft_probs: Tensor, anchor_positions: Tensor,
+                  draft_probs: Tensor, anchor_positions: Tensor, limits: Tensor | None = None,
                   config: FilterConfig = DEFAULT_CONFIG) -> tuple[Tensor, Tensor]:
     """``verify_torch`` by the Triton kernels (same arguments and results)."""
     logits = _check_shapes(target_logits, draft_tokens, cand_ids, draft_probs)
@@ -196,13 +207,15 @@ def verify_triton(target_logits: Tensor, st: SamplingTensors, draft_tokens: Tens
     drafts = draft_tokens.to(torch.int64).contiguous()
     anchors = anchor_positions.to(torch.int64).contiguous()
     keys_pad = triton.next_power_of_2(k + 2)
+    has_limits = limits is not None
+    limits = limits.to(torch.int64).contiguous() if has_limits else anchors  # unread without HAS_LIMITS
     if st.all_greedy:
         argmax = torch.argmax(flat, dim=-1)
         unused = argmax
         _verify_kernel[(batch,)](flat, flat.stride(0), st.temperature, st.top_k, st.top_p, st.seeds, anchors, unused,
                                  argmax, unused, unused, unused, 1, drafts, unused, unused, num_accepted, emitted,
-                                 unused, unused, unused, unused, unused, K=k, KSEL=1, KSEL_PAD=2, KEYS_PAD=keys_pad,
-                                 VOCAB=vocab, GREEDY_ONLY=True)
+                                 unused, unused, unused, unused, unused, limits, K=k, KSEL=1, KSEL_PAD=2,
+                                 KEYS_PAD=keys_pad, VOCAB=vocab, GREEDY_ONLY=True, HAS_LIMITS=has_limits)
         return num_accepted, emitted
     flt = filter_triton(flat, st, rows_per_request=k + 1, config=config)
     cand = cand_ids.to(torch.int64).contiguous()
@@ -214,9 +227,9 @@ def verify_triton(target_logits: Tensor, st: SamplingTensors, draft_tokens: Tens
     out_index = torch.empty(batch, dtype=torch.int64, device=device)
     _verify_kernel[(batch,)](flat, flat.stride(0), st.temperature, st.top_k, st.top_p, st.seeds, anchors, flt.row_max,
                              flt.argmax, flt.cut_x, flt.cut_id, flt.z_kept, flt.z_kept.stride(0), drafts, cand, dprobs,
-                             num_accepted, emitted, draw_row, use_q, u, draw_slot, out_index, K=k, KSEL=ksel,
-                             KSEL_PAD=max(2, triton.next_power_of_2(ksel)), KEYS_PAD=keys_pad, VOCAB=vocab,
-                             GREEDY_ONLY=False)
+                             num_accepted, emitted, draw_row, use_q, u, draw_slot, out_index, limits, K=k,
+                             KSEL=ksel, KSEL_PAD=max(2, triton.next_power_of_2(ksel)), KEYS_PAD=keys_pad, VOCAB=vocab,
+                             GREEDY_ONLY=False, HAS_LIMITS=has_limits)
     launch_draws(flat, st, flt, Layout.of(vocab, config), emitted,
                  verify=VerifyDraws(draw_row, use_q, u, draw_slot, out_index, cand, dprobs))
     return num_accepted, emitted
