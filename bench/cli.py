@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dflash2.fast.engine.config import LOAD_FORMATS, SPECULATIVE_DEPTHS, SPEED_SWITCHES
 from dflash2.reference.formats.errors import UserInputError
+from dflash2.reference.request.sampling_params import SamplingParams
 
 SETTING_NAMES = ("off", "mtp3", "mtp7", "dflash3", "dflash7")
 
@@ -67,6 +68,10 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", default=None,
                    help="a JSON file {\"prompts\": [text, ...]} encoded by the model's tokenizer and cycled over each run's "
                         "requests (each cut to the run's prompt_len) instead of random ids: real acceptance")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (default 0: greedy); with a seed per request, so a sampled run "
+                        "draws the same tokens each time")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (default 1: off)")
     p.add_argument("--speculative-depth", choices=SPECULATIVE_DEPTHS, default="fixed",
                    help="fixed: every step drafts the setting's k; adaptive: each step the depth in 0..k with the most "
                         "tokens per second (fast/speculative/depth.py); the report counts the depths chosen")
@@ -103,12 +108,14 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UserInputError(f"simulate_tokens_per_step={args.simulate_tokens_per_step}: expected 1 .. k+1")
     if args.max_tokens < 2:
         raise UserInputError(f"max_tokens={args.max_tokens}: expected an integer >= 2")
+    SamplingParams(temperature=args.temperature, top_p=args.top_p).validate()  # the field and value when refused
     gpu = torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
     out = Path(args.out) if args.out else Path("bench/results") / f"{time.strftime('%Y-%m-%d')}-{gpu}"
     bench_args = BenchArgs(model=args.model, draft=args.draft, load_format=args.load_format, runs=runs,
                            max_tokens=args.max_tokens,
                            simulate_tokens_per_step=args.simulate_tokens_per_step, out_dir=out,
                            command="ft " + " ".join(sys.argv[1:]), profile=args.profile, prompts=prompts,
+                           temperature=args.temperature, top_p=args.top_p,
                            extra={"enforce_eager": args.enforce_eager,
                                   "speculative_depth": args.speculative_depth,
                                   **({"cpu_cache_bytes": args.cpu_cache_bytes} if args.cpu_cache_bytes else {}),

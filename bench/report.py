@@ -28,6 +28,13 @@ def step_ratios(runs: list[dict]) -> list[tuple[dict, dict, float]]:
     return pairs
 
 
+def _speedup(run: dict, off: dict) -> str:
+    """Output tokens per second of ``run`` over the plain run's, e.g. ``1.42x``."""
+    if not run.get("tokens_per_s") or not off.get("tokens_per_s"):
+        return "-"
+    return f"{run['tokens_per_s'] / off['tokens_per_s']:.2f}x"
+
+
 def ratio_medians(pairs: list[tuple[dict, dict, float]]) -> list[tuple[tuple, list[float], float]]:
     """The pairs of :func:`step_ratios` grouped by (setting, concurrency, prompt length), in first-seen order:
     ``(key, ratios, median)`` for each group of two or more (repeated runs, e.g. five off/dflash7 pairs in one
@@ -50,6 +57,9 @@ def markdown(result: dict) -> str:
         f"V = {result['shape']['vocab_size']}, {'MoE' if result['shape']['is_moe'] else 'dense'}",
         f"- command: `{result['command']}`",
     ]
+    sampled = {(r.get("temperature", 0.0), r.get("top_p", 1.0)) for r in result["runs"]}
+    lines.append("- sampling: " + ", ".join("greedy" if t == 0 else f"temperature {t}, top-p {p}, seed i for request i"
+                                            for t, p in sorted(sampled)))
     if sim is not None:
         lines.append(f"- **simulated acceptance (timing only)**: each verify keeps drafts so that the mean is "
                      f"{sim} committed tokens per step; random weights accept nothing on their own")
@@ -71,10 +81,10 @@ def markdown(result: dict) -> str:
             f"| {r.get('workspace_bytes', 0) / 2**20:.0f} |")
     pairs = step_ratios(result["runs"])
     if pairs:
-        lines += ["", "One speculative step over one decode step (each beside the off run at its concurrency and "
-                  "prompt that ran last before it):", ""]
+        lines += ["", "One speculative step over one decode step, and output tokens per second over plain decoding's "
+                  "(each beside the off run at its concurrency and prompt that ran last before it):", ""]
         lines += [f"- {r['setting']} c={r['concurrency']} p={r['prompt_len']}: {r['step_ms_median']:.2f} / "
-                  f"{off['step_ms_median']:.2f} ms = {ratio:.3f}" for r, off, ratio in pairs]
+                  f"{off['step_ms_median']:.2f} ms = {ratio:.3f}; tok/s {_speedup(r, off)}" for r, off, ratio in pairs]
         lines += [f"- **{setting} c={conc} p={prompt}: median of {len(ratios)} pairs {median:.3f}** "
                   f"({min(ratios):.3f}-{max(ratios):.3f})" for (setting, conc, prompt), ratios, median
                   in ratio_medians(pairs)]

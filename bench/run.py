@@ -65,6 +65,8 @@ class BenchArgs:
     profile: bool = False
     extra: dict = field(default_factory=dict)
     prompts: list[str] | None = None  # texts (through the model's tokenizer) in place of random ids, cycled
+    temperature: float = 0.0  # every request's (request i seeded i)
+    top_p: float = 1.0
 
 
 class StepClock:
@@ -138,7 +140,8 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
         prompts = [llm.tokenizer.encode(text)[:prompt_len] for text in texts]
     else:
         prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(concurrency)]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=i,
+                             ignore_eos=True) for i in range(concurrency)]
     llm.generate(prompts, params)  # warm-up: the same shapes, so graphs and kernels are ready
     if simulated is not None:
         simulated.schedule.restart()  # the same acceptance again, hence the same shapes
@@ -173,7 +176,8 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
         draft_params = sum(t.numel() for t in model.proposer.draft.w.values())
     row = {
         "setting": setting, "algorithm": algorithm, "k": k, "concurrency": concurrency, "prompt_len": prompt_len,
-        "max_tokens": args.max_tokens, "simulated_tokens_per_step": args.simulate_tokens_per_step
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+        "simulated_tokens_per_step": args.simulate_tokens_per_step
         if algorithm != "none" else None,
         "step": step_kind, "steps": steps, "step_ms_median": 1e3 * statistics.median(step_times) if steps else None,
         "step_ms_mean": 1e3 * decode_s / steps if steps else None,

@@ -67,14 +67,18 @@ def test_ft_bench_runs_every_setting_and_writes_its_report(tiny, tmp_path):
     text = (out / "bench.md").read_text()
     assert "simulated acceptance (timing only)" in text and "| dflash7 | 2 | 9 | verify |" in text
     ratio = runs["dflash7"]["step_ms_median"] / runs["off"]["step_ms_median"]
+    speedup = runs["dflash7"]["tokens_per_s"] / runs["off"]["tokens_per_s"]
     assert (f"- dflash7 c=2 p=9: {runs['dflash7']['step_ms_median']:.2f} / {runs['off']['step_ms_median']:.2f} ms "
-            f"= {ratio:.3f}") in text
+            f"= {ratio:.3f}; tok/s {speedup:.2f}x") in text
+    assert "- sampling: greedy" in text
 
 
 @pytest.mark.parametrize("flags, field", [
     (["--settings", "dflash7"], "need --draft"),
     (["--settings", "off", "--simulate-tokens-per-step", "9"], "simulate_tokens_per_step"),
     (["--settings", "off", "--max-tokens", "1"], "max_tokens"),
+    (["--settings", "off", "--temperature", "-1"], "temperature"),
+    (["--settings", "off", "--top-p", "0"], "top_p"),
 ])
 def test_bad_bench_flags_exit_2(tiny, capsys, flags, field):
     target, _ = tiny
@@ -156,3 +160,15 @@ def test_text_prompts_replace_random_ids_and_a_bad_file_is_refused(tmp_path, cap
         prompts.write_text(bad)
         assert main(["bench", "--model", str(target), "--runs", "off:1:8", "--prompts", str(prompts)]) == 2
         assert "prompts=" in capsys.readouterr().err
+
+
+def test_a_sampled_run_draws_each_requests_own_seed(tiny, tmp_path):
+    """--temperature / --top-p: every request samples (request i seeded i); the rows and the report say so."""
+    target, draft = tiny
+    out = tmp_path / "sampled"
+    assert main(["bench", "--model", str(target), "--draft", str(draft), "--load-format", "dummy", "--runs",
+                 "off:2:9,dflash7:2:9", "--max-tokens", "8", "--temperature", "1", "--top-p", "0.95",
+                 "--out", str(out)]) == 0
+    runs = json.loads((out / "bench.json").read_text())["runs"]
+    assert all((r["temperature"], r["top_p"]) == (1.0, 0.95) and r["steps"] > 0 for r in runs)
+    assert "- sampling: temperature 1.0, top-p 0.95, seed i for request i" in (out / "bench.md").read_text()
