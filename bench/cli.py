@@ -73,8 +73,10 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                         "draws the same tokens each time")
     p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (default 1: off)")
     p.add_argument("--speculative-depth", choices=SPECULATIVE_DEPTHS, default="fixed",
-                   help="fixed: every step drafts the setting's k; adaptive: each step the depth in 0..k with the most "
-                        "tokens per second (fast/speculative/depth.py); the report counts the depths chosen")
+                   help="fixed (the default here, unlike the engine's: a setting's step is its k's, and a timed run "
+                        "meets the shapes its warm-up met): every step drafts the setting's k; adaptive: each step the "
+                        "depth in 0..k with the most tokens per second (fast/speculative/depth.py), the report counting "
+                        "the depths chosen")
     for switch in SPEED_SWITCHES:  # EngineConfig's speed switches, each on by default: --no-side-stream, ...
         p.add_argument(f"--{switch.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=True,
                        help=f"EngineConfig.{switch} (A/B timing; the tokens are the same either way)")

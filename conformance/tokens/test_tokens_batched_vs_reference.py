@@ -47,8 +47,9 @@ def plans(monkeypatch) -> list:
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
 def test_batched_requests_match_the_reference_alone(tiny, reference_runner, plans, preset, algorithm):
     t = tiny(preset)
-    llm = LLM(t.target, speculative_algorithm=algorithm,
-              speculative_draft_model_path=t.draft if algorithm == "dflash" else None, **ENGINE)
+    llm = LLM(t.target, speculative_algorithm=algorithm,  # a fixed depth: sampled tokens compared exactly
+              speculative_draft_model_path=t.draft if algorithm == "dflash" else None, speculative_depth="fixed",
+              **ENGINE)
     outputs = llm.generate([c.prompt for c in CASES], [c.params for c in CASES])
     runner = reference_runner(preset, algorithm)
     assert llm.k == runner.k

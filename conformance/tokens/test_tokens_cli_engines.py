@@ -39,7 +39,7 @@ def test_fast_and_reference_print_the_same_json_and_trace(tiny, tmp_path, algori
         trace = tmp_path / f"{engine}.jsonl"
         code, out = ft("generate", "--model", t.target, "--engine", engine, "--prompt", "Hello there", "--chat",
                        "--max-tokens", "9", "--n", "3", "--json", "--trace", trace, "--cpu-cache-bytes", 8 << 20,
-                       "--dtype", "float32", *sampling, *spec)
+                       "--dtype", "float32", "--speculative-depth", "fixed", *sampling, *spec)
         assert code == 0
         results[engine] = (json.loads(out), trace.read_text().splitlines())
     (fast, fast_trace), (ref, ref_trace) = results["fast"], results["reference"]

@@ -36,7 +36,7 @@ def test_peeking_drafts_match_the_reference_loop(tiny, reference_runner, preset)
     t = tiny(preset)
     config = EngineConfig(model_path=str(t.target), dtype="float32", speculative_algorithm="mtp",
                           speculative_num_steps=K, max_running_req=3, max_num_batched_tokens=12, page_size=4,
-                          cpu_cache_bytes=2 << 20)
+                          cpu_cache_bytes=2 << 20, speculative_depth="fixed")
     runner = reference_runner(preset)
     model = replace(load_model(config), proposer=PeekingDrafter(runner.target))
     engine = Engine(config, trace=True, model=model)

@@ -41,9 +41,9 @@ class EngineConfig:
     speculative_algorithm: str = "none"  # none | mtp | dflash
     speculative_draft_model_path: str | None = None  # the DFlash 2 draft folder (dflash only)
     speculative_num_steps: int | None = None  # k drafts per verify; None: block_size - 1 (dflash), 3 (mtp)
-    # fixed: every step drafts k; adaptive: each step the depth in 0..k that commits the most tokens per second,
-    # from measured step times and acceptance (fast/speculative/depth.py; a seed's sampled tokens then depend on load)
-    speculative_depth: str = "fixed"
+    # adaptive: each step the depth in 0..k that commits the most tokens per second, from measured step times and
+    # acceptance (fast/speculative/depth.py; a seed's sampled tokens then depend on load); fixed: every step drafts k
+    speculative_depth: str = "adaptive"
     seed: int = 0  # seeds torch's global generator at startup; every sampling draw is keyed by the request's seed
     load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights (timing only)
     enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying captured CUDA graphs

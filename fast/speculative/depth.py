@@ -25,7 +25,7 @@ The choice depends only on what earlier steps measured, never on the step's own 
 tokens still follow the target's law (sparse-q rejection holds for any k fixed before the draws). Greedy outputs
 are the same at every depth. A sampled request's exact tokens, though, depend on the depths its steps ran at (the
 keyed uniforms a position uses differ with k), and those depend on timing and load: fixed depth
-(``--speculative-depth fixed``) keeps a seed's tokens reproducible run to run.
+(``--speculative-depth fixed``; adaptive is the default) keeps a seed's tokens reproducible run to run.
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ def test_sampled_dflash_trace_with_several_samples(made, ft, tmp_path):
     trace = tmp_path / "sampled.jsonl"
     args = ["generate", "--model", m.target, "--prompt-ids", "5,17,42,99,3", "--temperature", "0.8", "--top-k", "20",
             "--top-p", "0.9", "--max-tokens", "16", "--ignore-eos", "--json", "--seed", "3", "--n", "2",
-            "--speculative-algorithm", "dflash", "--speculative-draft-model-path", m.draft, "--trace", trace]
+            "--speculative-algorithm", "dflash", "--speculative-draft-model-path", m.draft, "--trace", trace,
+            "--speculative-depth", "fixed"]
     out = ft(*args).json()
     records = read_trace(trace)
     assert {r["sample"] for r in records} == {0, 1}

@@ -36,7 +36,8 @@ def tiny(tmp_path_factory):
 def make_engine(tiny, algorithm: str = "dflash", **kw) -> Engine:
     target, draft = tiny
     args = dict(model_path=str(target), speculative_algorithm=algorithm, max_running_req=3, device="cpu",
-                cpu_cache_bytes=16 * MiB, max_num_batched_tokens=6)  # fp32 on the CPU: the 1e-4 logprob bounds
+                cpu_cache_bytes=16 * MiB, max_num_batched_tokens=6,  # fp32 on the CPU: the 1e-4 logprob bounds
+                speculative_depth="fixed")  # seeded samples compared token for token (adaptive: timing decides k)
     if algorithm == "dflash":
         args["speculative_draft_model_path"] = str(draft)
     return Engine(EngineConfig(**{**args, **kw}))

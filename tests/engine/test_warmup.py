@@ -26,7 +26,7 @@ def stack(tmp_path_factory):
 def test_warm_up_steps_every_bucket_and_leaves_the_engine_idle(stack, algorithm):
     target, draft = stack
     llm = LLM(target, dtype=torch.float32, max_running_req=5, speculative_algorithm=algorithm,
-              speculative_draft_model_path=draft if algorithm == "dflash" else None)
+              speculative_draft_model_path=draft if algorithm == "dflash" else None, speculative_depth="fixed")
     engine, runner = llm.engine, llm.engine.runner
     max_pages = pages_for(engine.max_model_len, engine.config.page_size)
     # the CPU runs the static step path without capturing (CapturedStep), so the keys it steps are visible

@@ -19,8 +19,10 @@ def tiny(tmp_path_factory) -> Tiny:
 
 @pytest.fixture(scope="module")
 def spec(tiny):
-    """DFlash speculative decoding, 4 running requests and 32 queued."""
-    live = start(tiny, ServeSettings(served_model_name=MODEL, max_queued_requests=32), speculative_algorithm="dflash")
+    """DFlash speculative decoding at a fixed depth (seeded samples are compared token for token), 4 running
+    requests and 32 queued."""
+    live = start(tiny, ServeSettings(served_model_name=MODEL, max_queued_requests=32), speculative_algorithm="dflash",
+                 speculative_depth="fixed")
     yield live
     live.stop()
 

@@ -137,7 +137,7 @@ def test_greedy_output_equals_ft_generate(spec, tiny):
 
 
 def test_seeded_samples_equal_ft_generate_n(spec, tiny):
-    expected = ft_generate("--model", tiny.target, "--speculative-algorithm", "dflash",
+    expected = ft_generate("--model", tiny.target, "--speculative-algorithm", "dflash", "--speculative-depth", "fixed",
                            "--speculative-draft-model-path", tiny.draft, "--prompt-ids", "1,2,3", "--temperature",
                            "0.8", "--top-k", "50", "--seed", "5", "--n", "3", "--ignore-eos", "--max-tokens", "12")
     got = spec.client().completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=12, temperature=0.8, n=3,
