@@ -20,7 +20,8 @@ from dflash2.reference.formats.errors import ConfigError, expect, is_int
 SPECULATIVE_ALGORITHMS = ("none", "mtp", "dflash")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (reference/tiny/dummy.py)
 SPECULATIVE_DEPTHS = ("fixed", "adaptive")  # fast/speculative/depth.py
-SPEED_SWITCHES = ("side_stream", "propose_ahead", "pdl", "l2_prefetch")  # each off gives the same tokens (A/B timing)
+# each off gives the same tokens (A/B timing)
+SPEED_SWITCHES = ("side_stream", "propose_ahead", "overlap_schedule", "pdl", "l2_prefetch")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 AUTO = "auto"
@@ -50,6 +51,9 @@ class EngineConfig:
     # the speed switches below are all on by default; each off gives the same tokens (A/B timing, debugging)
     side_stream: bool = True  # CUDA: a verify step's DFlash observe on a second stream beside the step
     propose_ahead: bool = True  # CUDA: a steady DFlash step launches the next step's proposal before it returns
+    # CUDA: a steady speculative step launches the whole next step before its tokens are read, so the host commits step
+    # n while the GPU runs step n + 1 (engine/runner.py); --disable-overlap-schedule (SGLang's name) turns it off
+    overlap_schedule: bool = True
     pdl: bool = True  # Hopper+: the draft's and the MoE's kernels launch with programmatic dependent launch
     l2_prefetch: bool = True  # Hopper+: tuned GEMMs prefetch their weight slice into L2 before their PDL wait
 
@@ -149,6 +153,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):  # --enforce-eager; --side-stream / --no-side-stream, ...
             action = argparse.BooleanOptionalAction if default else "store_true"
             parser.add_argument(flag, action=action, default=default, help=f"fast engine (default: {default})")
+            if name == "overlap_schedule":  # SGLang's spelling of --no-overlap-schedule
+                parser.add_argument("--disable-overlap-schedule", dest=name, action="store_false",
+                                    help="fast engine: the same as --no-overlap-schedule")
             continue
         parser.add_argument(flag, type=types.get(name, int), default=default, choices=choices.get(name),
                             help=f"fast engine (default: {default})")

@@ -17,7 +17,12 @@ The same loop, one step at a time, is the incremental API a server drives (``fas
     engine.pool_usage()           free pages, slots and ring slots, checked for leaks and double frees
 
 ``generate`` runs on that API (its requests are added, then ``step`` runs until they finish), so the
-two share one scheduler; it needs an engine with no incremental requests in flight. An exception in
+two share one scheduler; it needs an engine with no incremental requests in flight.
+
+Overlap scheduling (``EngineConfig.overlap_schedule``, ``runner.py``): a steady speculative step may launch the
+next step of the same requests before its own tokens are read; the next ``step`` call then collects that one
+(possibly launching the one after it) instead of scheduling, and commits its tokens for the requests still live
+(one that ended or was aborted meanwhile has its rows dropped). The tokens are the same either way. An exception in
 committing one request's tokens fails that request alone (finish reason "error"); an exception in a
 step's forward leaves the caller to decide (``fail_running``).
 """
@@ -125,7 +130,7 @@ class Engine:
                                    side_stream=cfg.side_stream)
         self.runner = ModelRunner(self.model.target, self.model.pools, spec, page_size=cfg.page_size,
                                   device=self.model.pools.device, trace=trace, graphs=graphs,
-                                  propose_ahead=cfg.propose_ahead)
+                                  propose_ahead=cfg.propose_ahead, overlap=cfg.overlap_schedule)
         # how deep each speculative step drafts (fast/speculative/depth.py); None for plain decoding
         self.depth = depth_policy(cfg.speculative_depth, self.model.k) if self.model.k else None
         # an adaptive depth runs steps of no drafts (k = 0) as a policy choice, so they replay a graph too
@@ -231,6 +236,7 @@ class Engine:
                 self._enqueue(req)  # one that can never fit is finished with its error here
         while self.scheduler.has_work:
             self.step()
+        self.step()  # a step still in flight (its requests all ended before it was read): collected, dropped
         return [self._output(req) for req in reqs]
 
     # ---- the incremental API --------------------------------------------------------------------
@@ -292,8 +298,9 @@ class Engine:
         return self._finished(req, [], None)
 
     def fail_running(self, error: str) -> list[RequestDelta]:
-        """Fail every admitted request (after a step raised: any of them may have caused it); the
-        waiting ones stay queued."""
+        """Fail every admitted request (after a step raised: any of them may have caused it), and any step in
+        flight with them; the waiting ones stay queued."""
+        self.runner.drop_in_flight()
         return [self.abort(req.rid, "error", error) for req in list(self.scheduler.running)]
 
     def pool_usage(self, check: bool = True) -> PoolUsage:
@@ -326,8 +333,11 @@ class Engine:
         return usage
 
     def step(self) -> list[RequestDelta]:
-        """Run one scheduled step; what it did to each request it touched (none if nothing waits or runs)."""
+        """Run one scheduled step (or collect the one in flight); what it did to each request it touched (none
+        if nothing waits or runs)."""
         scheduler = self.scheduler
+        if self.runner.in_flight is not None:
+            return self._collect()
         if not scheduler.has_work:
             return []
         plan = scheduler.schedule()
@@ -344,22 +354,56 @@ class Engine:
                     deltas.append(self._commit(chunk.req, [token], lp))
         elif self.model.k:
             started = time.perf_counter()
-            results = self.runner.verify(plan, top_logprobs=self._wanted_logprobs(plan.reqs))
-            self.depth.record(len(plan.reqs), max(plan.ks), time.perf_counter() - started, plan.ks,
-                              [r.num_accepted for r in results])
-            logprobs = self.runner.logprobs or [None] * len(plan.reqs)
-            for req, k, result, lp in zip(plan.reqs, plan.ks, results, logprobs):
-                req.num_verify_steps += 1
-                req.num_emitted += len(result.emitted)
-                if result.trace is not None:
-                    req.steps.append(result.trace)
-                deltas.append(self._commit(req, result.emitted, lp, k, result.num_accepted))
+            wanted = self._wanted_logprobs(plan.reqs)
+            launch_next = self._launch_next if self.config.overlap_schedule and wanted is None else None
+            results = self.runner.verify(plan, top_logprobs=wanted, launch_next=launch_next)
+            deltas = self._commit_verify(plan.reqs, plan.ks, results, time.perf_counter() - started,
+                                         self.runner.logprobs)
         else:
             tokens = self.runner.decode(plan, top_logprobs=self._wanted_logprobs(plan.reqs))
             logprobs = self.runner.logprobs or [None] * len(plan.reqs)
             for req, token, lp in zip(plan.reqs, tokens, logprobs):
                 deltas.append(self._commit(req, [token], lp))
         scheduler.finished.clear()  # the engine hands finished requests back itself; keep the scheduler bounded
+        return deltas
+
+    def _collect(self) -> list[RequestDelta]:
+        """Commit the step in flight (overlap scheduling) for its requests still live; it may launch the next."""
+        flight = self.runner.in_flight
+        started = time.perf_counter()
+        results = self.runner.collect(self._launch_next)
+        seconds = time.perf_counter() - started
+        live = [(req, result) for req, result in zip(flight.reqs, results) if not req.finished]
+        deltas = self._commit_verify([req for req, _ in live], [flight.k] * len(live), [r for _, r in live], seconds)
+        self.scheduler.finished.clear()
+        return deltas
+
+    def _launch_next(self, reqs: Sequence[Req], k: int) -> bool:
+        """Overlap scheduling's consent to launching the next step of ``reqs`` at depth k before this one is read
+        (``runner.LaunchNext``): the scheduler would plan exactly that step (no request ended, mid-prompt or
+        admissible) and the depth policy picks k for it (asked once per step either way); consenting, it allocates
+        the pages the step can reach (below anchor + 2 (k + 1), within each request's reservation: the runner has
+        checked every request has that many tokens to go)."""
+        scheduler = self.scheduler
+        if not scheduler.next_decodes(list(reqs)) or scheduler.choose_depth(len(reqs), ahead=True) != k:
+            return False  # another depth: the next schedule() plans it, with the depth chosen here
+        scheduler.take_depth()
+        for req in reqs:
+            self.scheduler.ensure_pages(req, req.anchor_position + 2 * (k + 1))
+        return True
+
+    def _commit_verify(self, reqs: Sequence[Req], ks: Sequence[int], results, seconds: float,
+                       logprobs: list | None = None) -> list[RequestDelta]:
+        """A speculative step's results: the depth policy's record, then each request's committed tokens."""
+        if reqs:
+            self.depth.record(len(reqs), max(ks), seconds, ks, [r.num_accepted for r in results])
+        deltas = []
+        for req, k, result, lp in zip(reqs, ks, results, logprobs or [None] * len(reqs)):
+            req.num_verify_steps += 1
+            req.num_emitted += len(result.emitted)
+            if result.trace is not None:
+                req.steps.append(result.trace)
+            deltas.append(self._commit(req, result.emitted, lp, k, result.num_accepted))
         return deltas
 
     def _wanted_logprobs(self, reqs: Sequence[Req]) -> list[int | None] | None:

@@ -53,7 +53,8 @@ from ..speculative.step import SpeculativeStep
 from .propose_ahead import Prediction, ProposeAhead
 from .sampling import sample_next
 from .step_buffers import (PROPOSAL_FIELDS, GraphKey, StaticInputs, StepFields, batch_view, buckets, field_sizes,
-                           fill_batch, fill_sampling, fill_values, page_bucket, real_rows)
+                           fill_batch, fill_sampling, fill_tables, fill_values, page_bucket, real_rows,
+                           speculative_rows)
 
 PROPOSED = "proposed"  # the graph_cut mark after a speculative step's proposal
 
@@ -142,7 +143,12 @@ class _KeyedGraphs:
         """Static inputs for ``key``, filled with an all-padding batch (what the capture runs on)."""
         inputs = StaticInputs(field_sizes(key, decode=decode), self.device, early=early)
         host = inputs.begin_fill()
-        fill_batch(host, key, starts=[], slots=[], tables=[], logits_rows=[], page_size=self.page_size)
+        if decode:
+            fill_batch(host, key, starts=[], slots=[], tables=[], logits_rows=[], page_size=self.page_size)
+        else:
+            fill_values(host.state_slots, (), PAD_SLOT)
+            fill_tables(host, key, [])
+            fill_values(host.draft_limits, (), key.rows_per_seq - 1)
         fill_sampling(host, [])
         inputs.upload()
         return inputs
@@ -229,15 +235,22 @@ class StepGraphs(_KeyedGraphs):
         self.ahead = ProposeAhead(enabled=propose_ahead)
         self.reuse_proposal_fields = True  # off: every step fills and uploads them (A/B diagnostics)
         self.field_reuses = 0  # steps that found their proposal fields on the device (tests, diagnostics)
+        # a step launched before the one before it was read (overlap scheduling): its key, requests and output
+        self.in_flight: tuple[GraphKey, int, Tensor] | None = None
+        self.launched_ahead = 0  # steps so launched (tests, diagnostics)
 
     def run(self, key: GraphKey, *, anchors: Sequence[int], slots: Sequence[int], tables: Sequence[Sequence[int]],
             anchor_tokens: Sequence[int], params: Sequence[SamplingParams], ks: Sequence[int] | None = None,
-            epoch: int = 0, ahead: bool = False) -> list[list[int]]:
+            epoch: int = 0, ahead: bool = False, next_tables: Sequence[Sequence[int]] | None = None
+            ) -> list[list[int]]:
         """One replay for ``len(anchors)`` requests (host inputs as ``fill_batch``'s); ``ks``: the drafts each
         verifies, at most the key's k (None: k each). Returns, per request,
         ``[num_accepted, *emitted]``: the step's one device-to-host read. ``epoch``: the runner's step count
         (``propose_ahead.py``); ``ahead``: the caller expects the same requests to go on, so the step may launch
-        the next step's proposal (a split step only)."""
+        the next step's proposal (a split step only). ``next_tables`` (every request drafting k now and next):
+        launch the whole next step of the same requests, on these page tables, before reading this one
+        (:meth:`collect` reads it)."""
+        assert self.in_flight is None, "a step launched ahead must be collected first"
         step = self.graphs.get(key) or self._capture(key)
         host = step.inputs.begin_fill()
         num_seqs = len(anchors)
@@ -257,11 +270,13 @@ class StepGraphs(_KeyedGraphs):
                 step.replay(stop=PROPOSED)
         else:
             self._fill_requests(host, anchors, anchor_tokens, params)
-        fill_batch(host, key, starts=anchors, slots=None if split else slots, tables=tables,
-                   logits_rows=range(num_seqs * key.rows_per_seq), page_size=self.page_size)
+            fill_values(host.state_slots, slots, PAD_SLOT)
+        fill_tables(host, key, tables)
         fill_values(host.draft_limits, ks if ks is not None else (), key.rows_per_seq - 1)
         step.inputs.upload("late" if split else "all")
         out = step.replay(start=PROPOSED if split else None)
+        if next_tables is not None:
+            return self._read_running_next(step, out, key, num_seqs, next_tables)
         if not split:
             return out[:num_seqs].tolist()
         launch = self.ahead.should_launch(ahead)
@@ -279,27 +294,62 @@ class StepGraphs(_KeyedGraphs):
         fill_values(host.anchors, anchors, 0)
         fill_sampling(host, params)
 
+    def collect(self, next_tables: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+        """The rows of the step launched ahead (``run``'s ``next_tables``), as ``run`` returns them; with
+        ``next_tables``, the step after it is launched first, on those tables, before this one is read."""
+        key, num_seqs, out = self.in_flight
+        self.in_flight = None
+        if next_tables is not None:
+            return self._read_running_next(self.graphs[key], out, key, num_seqs, next_tables)
+        return out[:num_seqs].tolist()
+
+    def _read_running_next(self, step: CapturedStep, out: Tensor, key: GraphKey, num_seqs: int,
+                           tables: Sequence[Sequence[int]]) -> list[list[int]]:
+        """The step's rows, read after launching the whole next step behind it (overlap scheduling): its proposal
+        fields are the ones this step's end advanced (already on the device), its page tables ``tables``, every
+        request verifying k. Its output is the static one this step wrote, so this step's is copied out first."""
+        self._copy_out(step, out)
+        host = step.inputs.begin_fill()
+        fill_tables(host, key, tables)
+        fill_values(host.draft_limits, (), key.rows_per_seq - 1)
+        step.inputs.upload("late")
+        self.in_flight = (key, num_seqs, step.replay())
+        self.launched_ahead += 1
+        # the next plain ``run`` fills every field again: nothing it could reuse is known on the host
+        self.on_device.pop(key, None)
+        self.ahead.forget()
+        return self._read_copy(step, num_seqs)
+
     def _read_proposing_ahead(self, step: CapturedStep, out: Tensor, num_seqs: int) -> list[list[int]]:
         """The step's rows, read after launching the next step's proposal behind it (module docstring)."""
-        if step.result is None:  # the pinned copy the host reads, and the event that says it has landed
+        self._copy_out(step, out)
+        step.replay(stop=PROPOSED)  # on the proposal fields the step's end advanced
+        return self._read_copy(step, num_seqs)
+
+    def _copy_out(self, step: CapturedStep, out: Tensor) -> None:
+        """Start copying the step's output to its pinned twin (made on first use), marking when it has landed."""
+        if step.result is None:
             cuda = self.device.type == "cuda"
             step.result = torch.empty(out.shape, dtype=out.dtype, pin_memory=cuda)
             step.result_ready = torch.cuda.Event() if cuda else None
         step.result.copy_(out, non_blocking=True)
         if step.result_ready is not None:
             step.result_ready.record()
-        step.replay(stop=PROPOSED)  # on the proposal fields the step's end advanced
+
+    @staticmethod
+    def _read_copy(step: CapturedStep, num_seqs: int) -> list[list[int]]:
         if step.result_ready is not None:
-            step.result_ready.synchronize()  # the step's own graphs and the copy, not the proposal behind them
+            step.result_ready.synchronize()  # the step's own graphs and the copy, not what was launched behind them
         return step.result[:num_seqs].tolist()
 
     def _capture(self, key: GraphKey) -> CapturedStep:
-        inputs = self._padding(key, decode=False, early=PROPOSAL_FIELDS if self.split_after_propose else ())
+        # the proposal's fields lead the buffer for every proposer: a split step uploads them first, and a step
+        # launched ahead (overlap scheduling) uploads only the rest, keeping the ones the step before advanced
+        inputs = self._padding(key, decode=False, early=PROPOSAL_FIELDS)
 
         def step_fn(fields: StepFields):
             num_accepted, emitted = self._step(fields, key)
-            if self.split_after_propose:
-                advance_proposal_fields(fields, num_accepted, emitted)
+            advance_proposal_fields(fields, num_accepted, emitted)
             return torch.cat([num_accepted[:, None], emitted], dim=1)  # [B, 1 + R]: one read of both
 
         step = CapturedStep(inputs, step_fn, self.device, self.mempool, self.pool_replays)
@@ -315,12 +365,12 @@ class StepGraphs(_KeyedGraphs):
         proposal = self.spec.propose(fields.anchor_tokens, fields.anchors, fields.state_slots, tables, k, st)
         graph_cut(PROPOSED)  # the capture goes on in a new graph at each stage (fast/model/capture.py)
         token_ids = torch.cat([fields.anchor_tokens[:, None], proposal.tokens], dim=1).reshape(-1)
-        return self.spec.verify_uniform(batch_view(fields, key, token_ids), proposal, st, fields.anchors,
-                                        fields.draft_limits)
+        batch = batch_view(fields, key, token_ids, speculative_rows(fields, key, self.page_size))
+        return self.spec.verify_uniform(batch, proposal, st, fields.anchors, fields.draft_limits)
 
 
 def advance_proposal_fields(fields: StepFields, num_accepted: Tensor, emitted: Tensor) -> None:
-    """At a split step's end, what the host will ask for next: each real request's (state slot >= 0) anchor
+    """At a speculative step's end, what the host will ask for next: each real request's (state slot >= 0) anchor
     moves past its num_accepted + 1 committed tokens and its anchor token becomes the last of them,
     ``emitted[b, num_accepted[b]]``; padding requests keep theirs."""
     real = fields.state_slots >= 0

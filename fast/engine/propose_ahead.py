@@ -57,6 +57,10 @@ class ProposeAhead:
         (``requested``) and the prediction has been holding."""
         return requested and self.enabled and self.recent_hits.count(False) <= self.window - self.min_hits
 
+    def forget(self) -> None:
+        """Expect nothing (the step's proposal fields are no longer what a prediction would say)."""
+        self.expected, self.launched = None, False
+
     def expect(self, prediction: Prediction, launched: bool) -> None:
         """The next step's expected fields, and whether their proposal was launched."""
         self.expected, self.launched = prediction, launched

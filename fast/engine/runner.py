@@ -16,6 +16,15 @@ Three kinds of step (``Scheduler.schedule``):
 
 The one device-to-host read per step is the committed tokens.
 
+Overlap scheduling (``EngineConfig.overlap_schedule``): a captured speculative step whose requests all draft k
+and will all draft k again may launch the whole next step before its own result is read, when the engine's
+``launch_next`` says the next step is that one (no request waiting, the depth k again; it allocates the pages the
+next step can reach). The step's rows come back as usual, the next one is left in flight (``in_flight``) and the
+engine's next call is :meth:`ModelRunner.collect`, which may launch the one after it in turn. So the host commits
+step n, checks stops and fills step n + 1's tables while the GPU runs step n + 1 (SGLang's overlap scheduler,
+vLLM's async scheduling). A request that ended meanwhile is in the step in flight: its rows are computed (on its
+freed slot and pages, before any later step can reuse them: one stream) and dropped by the engine.
+
 Logprobs (optional, off by default): a step given ``top_logprobs`` (one entry per plan request: None for a
 request that wants none, else how many alternatives) also leaves in ``self.logprobs``, per plan request, a
 :class:`TokenLogprob` for each token it committed (before any stop cut), read from the target's filtered
@@ -25,6 +34,7 @@ verify rows 0..num_accepted.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -45,6 +55,19 @@ from .scheduler import DecodePlan, PrefillPlan, Req
 
 
 @dataclass(frozen=True)
+class InFlight:
+    """A speculative step launched before the one before it was read: its requests (plan order) and depth."""
+
+    reqs: list[Req]
+    k: int
+
+
+# the engine's consent to launching the next step of ``reqs`` at depth k before this one is read (it allocates
+# the pages that step can reach when it consents)
+LaunchNext = Callable[[Sequence[Req], int], bool]
+
+
+@dataclass(frozen=True)
 class VerifyResult:
     num_accepted: int
     emitted: list[int]  # num_accepted + 1 tokens
@@ -60,7 +83,7 @@ class ModelRunner:
 
     def __init__(self, target: FastTarget, pools: CachePools, spec: SpeculativeStep | None, *, page_size: int,
                  device: torch.device, trace: bool = False, graphs: TargetGraphs | None = None,
-                 propose_ahead: bool = True):
+                 propose_ahead: bool = True, overlap: bool = True):
         self.target, self.pools, self.spec = target, pools, spec
         self.page_size, self.device, self.trace = page_size, device, trace
         self.eager = EagerStep(target, pools, page_size=page_size, device=device)
@@ -72,6 +95,8 @@ class ModelRunner:
         self.logprobs: list[list[TokenLogprob] | None] | None = None  # the last step's, when asked for
         self.epoch = 0  # steps run so far (prefill, decode, verify): StepGraphs' proposal ahead checks it
         self.graph_plain_steps = False  # whether a verify step of no drafts at all replays a captured step too
+        self.overlap = overlap  # whether a steady speculative step may launch the next one before it is read
+        self.in_flight: InFlight | None = None  # the step so launched, until ``collect``
 
     def sampling(self, params) -> SamplingTensors:
         return sampling_tensors(params, self.device)
@@ -99,6 +124,7 @@ class ModelRunner:
 
     def prefill(self, plan: PrefillPlan, top_logprobs: Sequence[int | None] | None = None) -> list[int | None]:
         """Run the chunks; the first output token of each chunk that completes its prompt, else None."""
+        assert self.in_flight is None, "collect the step in flight first"
         self.epoch += 1
         self.logprobs = None
         chunks = plan.chunks
@@ -124,6 +150,7 @@ class ModelRunner:
 
     def decode(self, plan: DecodePlan, top_logprobs: Sequence[int | None] | None = None) -> list[int]:
         """Plain decoding: one token per request."""
+        assert self.in_flight is None, "collect the step in flight first"
         self.epoch += 1
         self.logprobs = None
         reqs = plan.reqs
@@ -148,14 +175,17 @@ class ModelRunner:
             self.logprobs = self._committed_logprobs(out.logits, st, sampled, range(len(reqs)), top_logprobs)
         return sampled.tolist()
 
-    def verify(self, plan: DecodePlan, top_logprobs: Sequence[int | None] | None = None) -> list[VerifyResult]:
-        """One speculative step for every request of the plan (per-request k_b = ``plan.ks``)."""
+    def verify(self, plan: DecodePlan, top_logprobs: Sequence[int | None] | None = None,
+               launch_next: LaunchNext | None = None) -> list[VerifyResult]:
+        """One speculative step for every request of the plan (per-request k_b = ``plan.ks``); with
+        ``launch_next``, the step may leave the next one in flight (module docstring)."""
+        assert self.in_flight is None, "collect the step in flight first"
         self.epoch += 1
         self.logprobs = None
         reqs, ks = plan.reqs, plan.ks
         k = max(ks)
         if self.step_graphs is not None and top_logprobs is None and not self.trace and (k or self.graph_plain_steps):
-            graphed = self._verify_graphed(reqs, ks)
+            graphed = self._verify_graphed(reqs, ks, launch_next)
             if graphed is not None:
                 return graphed
         return self._verify_eager(reqs, ks, top_logprobs)
@@ -211,12 +241,58 @@ class ModelRunner:
                       for b, kb in enumerate(ks)]
         return [VerifyResult(a, e[:a + 1], t) for a, e, t in zip(accepted, emitted, traces)]
 
-    def _verify_graphed(self, reqs: Sequence[Req], ks: Sequence[int]) -> list[VerifyResult] | None:
+    def collect(self, launch_next: LaunchNext | None = None) -> list[VerifyResult]:
+        """The results of the step in flight, one per request it was launched with (finished ones included);
+        with ``launch_next``, the step after it may be launched first, as in :meth:`verify`."""
+        flight, self.in_flight = self.in_flight, None
+        self.epoch += 1
+        self.logprobs = None
+        reqs, k = flight.reqs, flight.k
+        key = self.step_graphs.in_flight[0]
+        next_tables = self._next_tables(reqs, [k] * len(reqs), key, launch_next)
+        rows = self.step_graphs.collect(next_tables)
+        if next_tables is not None:
+            self.in_flight = flight
+        return [VerifyResult(row[0], row[1:row[0] + 2], None) for row in rows]
+
+    def drop_in_flight(self) -> None:
+        """Forget a step launched ahead without reading it (after a step raised: its requests are failed)."""
+        self.in_flight = None
+        if self.step_graphs is not None:
+            self.step_graphs.in_flight = None
+
+    def _next_tables(self, reqs: Sequence[Req], ks: Sequence[int], key, launch_next: LaunchNext | None
+                     ) -> list[list[int]] | None:
+        """The page tables of the next step of ``reqs`` when it may launch now (overlap scheduling), else None:
+        every request drafting k now and, whatever this step accepts, next (k + 1 tokens to go after it), the next
+        step's pages within this key's bucket, and the engine's consent."""
+        k = key.rows_per_seq - 1
+        if not (self.overlap and launch_next is not None and min(ks) == k and self._ahead(reqs, k, key)):
+            return None
+        if not launch_next(reqs, k):
+            return None
+        return [r.pages for r in reqs]
+
+    def _ahead(self, reqs: Sequence[Req], k: int, key) -> bool:
+        """Whether the next step of ``reqs`` (the host knowing their anchors for this one) drafts k for every
+        request whatever this one accepts, on a key of the same page bucket: after this step (at most k + 1
+        tokens) each still has k + 1 to go, and the positions the next one can write (below anchor + 2 (k + 1))
+        fit the bucket."""
+        rows = k + 1
+        anchors = [r.anchor_position for r in reqs]
+        if not all(r.max_new_tokens - len(r.output_ids) - rows > k for r in reqs):
+            return False
+        pages = max(max(len(r.pages) for r in reqs), -(-(max(anchors) + 2 * rows) // self.page_size))
+        bucket = self.step_graphs.key_for(len(reqs), rows, pages, k > 0)
+        return bucket is not None and bucket.pages == key.pages
+
+    def _verify_graphed(self, reqs: Sequence[Req], ks: Sequence[int],
+                        launch_next: LaunchNext | None = None) -> list[VerifyResult] | None:
         """``verify`` by replaying the captured step of k = max(ks) (request b verifying its first ks[b] drafts);
         None if no graph fits.
 
         The step may launch the next one's proposal (``propose_ahead.py``) when every request will draft k again,
-        whatever it accepts now, on the same graph."""
+        whatever it accepts now, on the same graph, or the whole next step (``launch_next``: overlap scheduling)."""
         k = max(ks)
         rows = k + 1
         anchors = [r.anchor_position for r in reqs]
@@ -228,14 +304,15 @@ class ModelRunner:
         key = key_through(max(a + kb + 1 for a, kb in zip(anchors, ks)))
         if key is None:
             return None
-        # after this step (at most k + 1 tokens) each request still has k + 1 to go, and the pages the next
-        # one can need (anchor + 2 (k + 1) positions) fit the same page bucket
-        ahead = (all(r.max_new_tokens - len(r.output_ids) - rows > k for r in reqs)
-                 and key_through(max(anchors) + 2 * rows) == key)
+        ahead = min(ks) == k and self._ahead(reqs, k, key)
         params = [r.params for r in reqs]
         key = replace(key, sampling=graph_summary(params))
-        results = self.step_graphs.run(key, anchors=anchors, slots=[r.slot for r in reqs],
-                                       tables=[r.pages for r in reqs], anchor_tokens=[r.output_ids[-1] for r in reqs],
-                                       params=params, ks=ks, epoch=self.epoch,
-                                       ahead=ahead)  # [num_accepted, *emitted] per request
+        tables = [list(r.pages) for r in reqs]  # copied: launch_next extends them for the next step
+        next_tables = self._next_tables(reqs, ks, key, launch_next) if ahead else None
+        results = self.step_graphs.run(key, anchors=anchors, slots=[r.slot for r in reqs], tables=tables,
+                                       anchor_tokens=[r.output_ids[-1] for r in reqs], params=params, ks=ks,
+                                       epoch=self.epoch, ahead=ahead,
+                                       next_tables=next_tables)  # [num_accepted, *emitted] per request
+        if next_tables is not None:
+            self.in_flight = InFlight(list(reqs), k)
         return [VerifyResult(row[0], row[1:row[0] + 2], None) for row in results]

@@ -151,6 +151,7 @@ class Scheduler:
         self.page_size = page_size
         self.k = k  # k of a speculative step (its upper bound with an adaptive depth), 0 for plain decoding
         self.depth = depth  # the number of running requests -> this step's k (fast/speculative/depth.py); None: k
+        self._chosen_depth: int | None = None  # a depth chosen ahead for the next step (choose_depth)
         self.max_model_len = max_model_len
         self.pages = PageAllocator(num_pages)
         self.free_slots: deque[int] = deque(range(max_running_req))
@@ -200,11 +201,34 @@ class Scheduler:
         decoding = [r for r in self.running if r.prefill_done]
         if not decoding:
             return None
-        k = self.k if self.depth is None or not self.k else self.depth(len(decoding))
+        k = self.choose_depth(len(decoding))
         ks = [self.drafts_for(r, k) for r in decoding]
         for req, k in zip(decoding, ks):
             self.ensure_pages(req, req.anchor_position + k + 1)
         return DecodePlan(decoding, ks)
+
+    def choose_depth(self, num_seqs: int, ahead: bool = False) -> int:
+        """The k of the next decode/verify step of ``num_seqs`` requests: the depth hook's choice (the scheduler's
+        k without one). ``ahead``: asked before that step is planned (overlap scheduling); unless the caller then
+        plans it itself (``take_depth``), :meth:`schedule` uses this choice instead of asking the hook again."""
+        if self._chosen_depth is not None:
+            k, self._chosen_depth = self._chosen_depth, None
+        else:
+            k = self.k if self.depth is None or not self.k else self.depth(num_seqs)
+        if ahead:
+            self._chosen_depth = k
+        return k
+
+    def take_depth(self) -> None:
+        """The depth chosen ahead is the step the caller runs: :meth:`schedule` asks the hook afresh."""
+        self._chosen_depth = None
+
+    def next_decodes(self, reqs: list[Req]) -> bool:
+        """Whether the next :meth:`schedule` would plan a decode/verify step of exactly ``reqs`` (still running,
+        all the running requests, none mid-prompt, no waiting request admissible): what overlap scheduling
+        needs to launch that step before this one's results are known."""
+        return (len(self.running) == len(reqs) and not any(r.finished for r in reqs)
+                and not (self.waiting and self._can_admit(self.waiting[0])))
 
     def drafts_for(self, req: Req, k: int | None = None) -> int:
         """This request's drafts in a step of depth k (default: the scheduler's k; ``reference/speculative/loop.py``):

@@ -78,21 +78,23 @@ class GraphKey:
 
 @dataclass
 class StepFields(Generic[A]):
-    """A captured step's static inputs: device views (``StaticInputs.device``) or their host twins (``.host``)."""
+    """A captured step's static inputs: device views (``StaticInputs.device``) or their host twins (``.host``);
+    None where the key's kind of step has no such field."""
 
-    # the ForwardBatch, padded to the key
-    positions: A  # [B R]
+    # the ForwardBatch, padded to the key (a speculative step derives the row fields from its anchors on the
+    # device, ``speculative_rows``: it has no positions, kv_slot_mapping or context_lens fields)
     cu_seqlens: A  # [B + 1]
     state_slots: A  # [B]
-    kv_slot_mapping: A  # [B R]
     block_tables: A  # [B P]
-    context_lens: A  # [B]
     logits_rows: A  # [B R]
     # the requests' sampling parameters (padding requests are greedy)
     temperature: A  # [B] fp32
     top_k: A  # [B]
     top_p: A  # [B] fp32
     seeds: A  # [B] (uint64 bit patterns)
+    positions: A | None = None  # [B R]
+    kv_slot_mapping: A | None = None  # [B R]
+    context_lens: A | None = None  # [B]
     # a decode step: the rows' tokens and the positions each request's next token is drawn at
     tokens: A | None = None  # [B R]
     sample_positions: A | None = None  # [B]
@@ -110,10 +112,12 @@ PROPOSAL_FIELDS = ("anchor_tokens", "anchors", "top_k", "seeds", "temperature", 
 def field_sizes(key: GraphKey, *, decode: bool) -> dict[str, int]:
     """Each field's length for ``key``: a decode step's fields (``decode``) or a speculative step's."""
     b, r = key.num_seqs, key.rows_per_seq
-    sizes = {"positions": b * r, "cu_seqlens": b + 1, "state_slots": b, "kv_slot_mapping": b * r,
-             "block_tables": b * key.pages, "context_lens": b, "logits_rows": b * r,
+    sizes = {"cu_seqlens": b + 1, "state_slots": b, "block_tables": b * key.pages, "logits_rows": b * r,
              "temperature": b, "top_k": b, "top_p": b, "seeds": b}
-    extra = {"tokens": b * r, "sample_positions": b} if decode else {"anchor_tokens": b, "anchors": b, "draft_limits": b}
+    if decode:
+        extra = {"positions": b * r, "kv_slot_mapping": b * r, "context_lens": b, "tokens": b * r, "sample_positions": b}
+    else:
+        extra = {"anchor_tokens": b, "anchors": b, "draft_limits": b}
     return {**sizes, **extra}
 
 
@@ -227,13 +231,48 @@ def fill_batch(host: StepFields[np.ndarray], key: GraphKey, *, starts: Sequence[
     host.logits_rows[:logits_rows.size] = logits_rows
 
 
-def batch_view(fields: StepFields[Tensor], key: GraphKey, token_ids: Tensor) -> ForwardBatch:
-    """The ForwardBatch over the static fields (its int32 casts run inside the graph, so they replay too)."""
+def fill_tables(host: StepFields[np.ndarray], key: GraphKey, tables: Sequence[Sequence[int]]) -> None:
+    """A speculative step's host-side batch fields: its requests' page tables (``fill_batch``'s ``tables``),
+    every row's logits, and R rows per sequence. The rest of its batch is derived on the device from the anchors
+    (:func:`speculative_rows`), so the host need not know them: a step can be filled and launched before the
+    one before it has been read."""
+    b, r, p = key.num_seqs, key.rows_per_seq, key.pages
+    host.cu_seqlens[:] = np.arange(b + 1) * r
+    table = host.block_tables.reshape(b, p)
+    table[:] = PAD_SLOT
+    for i, pages in enumerate(tables):
+        pages = np.asarray(pages, dtype=np.int64)
+        table[i, :pages.size] = pages
+    host.logits_rows[:] = np.arange(b * r)
+
+
+def speculative_rows(fields: StepFields[Tensor], key: GraphKey, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(positions [B R], kv_slot_mapping [B R], context_lens [B])`` of a speculative step, on the device, from
+    each request's anchor and page table: what ``fill_batch`` writes on the host for ``starts = anchors``. Request
+    b's rows sit at ``anchors[b] + 0..R-1``; a row where its table has no page (past a request's pages: one near
+    its end verifying fewer drafts) writes nothing; a padding request (state slot ``PAD_SLOT``) has positions 0,
+    writes nothing and reads no context."""
+    b, r, p = key.num_seqs, key.rows_per_seq, key.pages
+    real = fields.state_slots >= 0  # [B]
+    positions = torch.where(real[:, None], fields.anchors[:, None] + torch.arange(r, device=real.device), 0)
+    tables = fields.block_tables.view(b, p)
+    pages = tables.gather(1, torch.clamp(positions // page_size, max=p - 1))  # [B, R]
+    held = real[:, None] & (pages >= 0) & (positions < p * page_size)
+    kv_slots = torch.where(held, pages * page_size + positions % page_size, PAD_SLOT)
+    context_lens = torch.where(real, torch.clamp(fields.anchors + r, max=p * page_size), 0)
+    return positions.reshape(-1), kv_slots.reshape(-1), context_lens
+
+
+def batch_view(fields: StepFields[Tensor], key: GraphKey, token_ids: Tensor,
+               rows: tuple[Tensor, Tensor, Tensor] | None = None) -> ForwardBatch:
+    """The ForwardBatch over the static fields (its int32 casts run inside the graph, so they replay too);
+    ``rows``: the positions, K/V slots and context lengths when not fields (``speculative_rows``)."""
+    positions, kv_slots, context_lens = rows or (fields.positions, fields.kv_slot_mapping, fields.context_lens)
     return ForwardBatch(
-        token_ids=token_ids, positions=fields.positions, cu_seqlens=fields.cu_seqlens.to(torch.int32),
-        state_slots=fields.state_slots, kv_slot_mapping=fields.kv_slot_mapping,
+        token_ids=token_ids, positions=positions, cu_seqlens=fields.cu_seqlens.to(torch.int32),
+        state_slots=fields.state_slots, kv_slot_mapping=kv_slots,
         block_tables=fields.block_tables.view(key.num_seqs, key.pages).to(torch.int32),
-        context_lens=fields.context_lens, is_verify=key.is_verify, logits_rows=fields.logits_rows,
+        context_lens=context_lens, is_verify=key.is_verify, logits_rows=fields.logits_rows,
         max_query_len=key.rows_per_seq)
 
 

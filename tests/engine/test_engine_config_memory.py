@@ -34,6 +34,15 @@ def test_argparse_defaults_are_the_dataclass_defaults():
     assert (config.max_running_req, config.memory_ratio, config.max_model_len) == (3, 0.5, 64)
 
 
+def test_overlap_scheduling_is_on_and_sglangs_flag_turns_it_off():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args([]).overlap_schedule is True
+    assert parser.parse_args(["--disable-overlap-schedule"]).overlap_schedule is False
+    assert parser.parse_args(["--no-overlap-schedule"]).overlap_schedule is False
+    assert EngineConfig(model_path="m").speculative_depth == "adaptive"  # the depth is chosen per step by default
+
+
 def test_auto_resolves_to_the_machine():
     config = EngineConfig(model_path="m").resolved()
     if torch.cuda.is_available():

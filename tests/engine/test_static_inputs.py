@@ -74,7 +74,7 @@ def test_early_then_late_uploads_copy_exactly_their_fields():
     inputs.upload("late")
     assert (inputs.device.anchors == 100 + len("anchors")).all(), "a late upload rewrote an early field"
     assert (inputs.device.top_p == 100 + len("top_p")).all(), "a late upload rewrote an early field"
-    assert (inputs.device.positions == 7 + len("positions")).all()
+    assert (inputs.device.block_tables == 7 + len("block_tables")).all()
 
 
 def test_without_early_fields_the_upload_is_whole():
@@ -90,3 +90,6 @@ def test_field_sizes_follow_the_key():
     decode, step = field_sizes(key, decode=True), field_sizes(key, decode=False)
     assert decode["positions"] == 32 and decode["block_tables"] == 64 and decode["tokens"] == 32
     assert "anchors" in step and "tokens" not in step and "anchors" not in decode
+    # a speculative step's rows are derived on the device from its anchors (step_buffers.speculative_rows)
+    assert {"positions", "kv_slot_mapping", "context_lens"} & set(step) == set()
+    assert step["draft_limits"] == 4

@@ -44,8 +44,8 @@ def test_buckets_and_page_widths():
 @pytest.mark.parametrize("algorithm", ["none", "mtp", "dflash"])
 def test_the_static_step_path_gives_the_eager_tokens(stack, algorithm):
     target, draft = stack
-    kwargs = dict(dtype=torch.float32, max_running_req=5, speculative_algorithm=algorithm,
-                  speculative_draft_model_path=draft if algorithm == "dflash" else None)
+    kwargs = dict(dtype=torch.float32, max_running_req=5, speculative_algorithm=algorithm, speculative_depth="fixed",
+                  speculative_draft_model_path=draft if algorithm == "dflash" else None)  # sampled: exact at fixed k
     eager = LLM(target, **kwargs).generate(PROMPTS, PARAMS)
     llm = LLM(target, **kwargs)
     engine = llm.engine
