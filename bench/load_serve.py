@@ -6,7 +6,14 @@
 
 Everything after ``--`` is passed to ``ft serve`` (started here on 127.0.0.1, a free port, and stopped
 with SIGTERM at the end, whose drain and exit status are recorded); or ``--url`` points at a server
-already running on this machine. Only loopback addresses are accepted. The load is bounded twice:
+already running on this machine.
+
+Speculation under concurrency: ``--concurrency 1,8,32,64`` runs the load at each level in turn (each level
+``--num-requests`` requests), and ``--compare-plain`` runs the same levels on a second server, the same ``ft
+serve`` arguments with plain decoding (its speculative flags dropped), or ``--plain-url`` a running one: the
+report gives each level's output tokens per second beside plain decoding's, and their ratio. ``--prompts FILE``
+sends texts (``{"prompts": [...]}``, cycled) instead of random ids, so a trained pair accepts what it would in
+use (``bench/prompts/python-8.json`` for the bundled pair). Only loopback addresses are accepted. The load is bounded twice:
 at most ``--num-requests`` requests, none started after ``--duration-s``, and everything still open
 at ``--duration-s + --timeout-s`` is cancelled. Each request is a streamed ``/v1/completions`` of
 ``--input-len`` random token ids (seeded; ids below ``--max-token-id``, so any vocabulary fits and
@@ -178,9 +185,11 @@ async def run_load(args: argparse.Namespace, host: str, port: int) -> dict:
         raise SystemExit(f"GET /v1/models: status {status}: {raw[:200]!r}")
     model = json.loads(raw)["data"][0]["id"]
     rng = random.Random(args.seed)
-    bodies = [{"model": model, "prompt": [rng.randrange(args.max_token_id) for _ in range(args.input_len)],
-               "max_tokens": args.output_len, "temperature": args.temperature, "ignore_eos": True, "stream": True,
-               "return_token_ids": True, "seed": i} for i in range(args.num_requests)]
+    prompts = ([args.texts[i % len(args.texts)] for i in range(args.num_requests)] if args.texts else
+               [[rng.randrange(args.max_token_id) for _ in range(args.input_len)] for _ in range(args.num_requests)])
+    bodies = [{"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": args.temperature,
+               "ignore_eos": True, "stream": True, "return_token_ids": True, "seed": i}
+              for i, prompt in enumerate(prompts)]
     before = parse_metrics((await http(host, port, "GET", "/metrics"))[1].decode())
     samples: list[Sample] = []
     next_index = 0
@@ -213,7 +222,7 @@ async def run_load(args: argparse.Namespace, host: str, port: int) -> dict:
         "num_cancelled_at_deadline": cancelled, "errors": sorted({s.error for s in samples if s.error})[:10],
         "wall_s": wall, "request_throughput_per_s": len(ok) / wall, "output_tokens": output_tokens,
         "output_token_throughput_per_s": output_tokens / wall,
-        "total_token_throughput_per_s": (output_tokens + len(ok) * args.input_len) / wall,
+        "total_token_throughput_per_s": (output_tokens + moved("dflash2_prompt_tokens_total")) / wall,
         "ttft_s": percentiles([s.ttft_s for s in ok if s.ttft_s is not None]),
         "tpot_s": percentiles([s.tpot_s for s in ok if s.tpot_s is not None]),
         "itl_s": percentiles([x for s in ok for x in s.itl_s]),
@@ -309,6 +318,82 @@ def table(result: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+SPECULATIVE_FLAGS = ("--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
+                     "--speculative-depth")
+
+
+def plain_serve_args(serve_args: list[str]) -> list[str]:
+    """The same ``ft serve`` arguments with plain decoding: every speculative flag (and its value) dropped."""
+    kept, skip = [], False
+    for arg in serve_args:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in SPECULATIVE_FLAGS:
+            skip = "=" not in arg
+            continue
+        kept.append(arg)
+    return kept + ["--speculative-algorithm", "none"]
+
+
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers >= 1, comma-separated")
+    return levels
+
+
+def load_texts(path: str) -> list[str]:
+    try:
+        texts = json.loads(Path(path).read_text()).get("prompts")
+    except (OSError, ValueError, AttributeError) as e:
+        raise SystemExit(f"--prompts {path!r}: expected a readable JSON file {{\"prompts\": [...]}} ({e})")
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise SystemExit(f"--prompts {path!r}: expected {{\"prompts\": [non-empty text, ...]}}")
+    return texts
+
+
+def sweep(args: argparse.Namespace, url: str | None, serve_args: list[str]) -> tuple[list[dict], dict | None]:
+    """The load at each concurrency level on one server (``url``, or ``ft serve serve_args`` started here);
+    the levels' results and the started server's record."""
+    server = None
+    if url is not None:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port or 80
+        check_loopback(host)
+        host = socket.gethostbyname(host) if host == "localhost" else host
+    else:
+        server = ServerProcess(serve_args, args.startup_timeout_s)
+        host, port = server.host, server.port
+    results = []
+    try:
+        for level in args.concurrency:
+            results.append({"concurrency": level, **asyncio.run(run_load(argparse.Namespace(
+                **{**vars(args), "concurrency": level}), host, port))})
+    finally:
+        record = None
+        if server is not None:
+            record = {"command": server.command, "summary": server.summary, "shutdown": server.stop(args.timeout_s)}
+    return results, record
+
+
+def comparison(levels: list[dict], plain: list[dict]) -> str:
+    """Per level: output tokens per second of the server under test and of plain decoding, and their ratio."""
+    lines = ["| concurrency | output tok/s | plain tok/s | vs plain | tokens/verify step |", "|---|---|---|---|---|"]
+    for r, base in zip(levels, plain):
+        ratio = r["output_token_throughput_per_s"] / base["output_token_throughput_per_s"] \
+            if base["output_token_throughput_per_s"] else float("nan")
+        tps = r["server"]["tokens_per_verify_step"]
+        lines.append(f"| {r['concurrency']} | {r['output_token_throughput_per_s']:.1f} | "
+                     f"{base['output_token_throughput_per_s']:.1f} | {ratio:.2f}x | "
+                     f"{'-' if tps is None else format(tps, '.2f')} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     serve_args: list[str] = []
@@ -320,7 +405,14 @@ def main(argv: list[str] | None = None) -> int:
                                                "arguments after --)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-requests", type=int, default=128)
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--concurrency", type=parse_levels, default=[16],
+                   help="requests in flight at once; a comma-separated list runs each level in turn (e.g. 1,8,32,64)")
+    p.add_argument("--compare-plain", action="store_true",
+                   help="also run the levels on plain decoding: the ft serve arguments without their speculative "
+                        "flags (or --plain-url)")
+    p.add_argument("--plain-url", default=None, help="a running plain-decoding server to compare with")
+    p.add_argument("--prompts", default=None, help="a JSON file {\"prompts\": [text, ...]} sent (cycled) instead of "
+                                                   "random ids: real acceptance")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per request (ignore_eos)")
     p.add_argument("--max-token-id", type=int, default=500, help="prompt ids are drawn below this")
@@ -331,33 +423,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON result here")
     args = p.parse_args(argv)
-    for name in ("num_requests", "concurrency", "input_len", "output_len", "max_token_id"):
+    for name in ("num_requests", "input_len", "output_len", "max_token_id"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected an integer >= 1")
     if args.url is None and not serve_args:
         p.error("expected --url of a running server, or ft serve arguments after --")
-    server = None
-    if args.url is not None:
-        parts = urlsplit(args.url)
-        host, port = parts.hostname, parts.port or 80
-        check_loopback(host)
-        host = socket.gethostbyname(host) if host == "localhost" else host
-    else:
-        server = ServerProcess(serve_args, args.startup_timeout_s)
-        host, port = server.host, server.port
-    try:
-        result = asyncio.run(run_load(args, host, port))
-    finally:
-        shutdown = server.stop(args.timeout_s) if server is not None else None
-    result.update(config={k: v for k, v in vars(args).items() if k != "api_key"}, serve_args=serve_args,
-                  server_command=server.command if server else None, server_summary=server.summary if server else None,
-                  shutdown=shutdown, date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    if args.compare_plain and args.plain_url is None and not serve_args:
+        p.error("--compare-plain: expected ft serve arguments after -- (or --plain-url of a running plain server)")
+    args.texts = load_texts(args.prompts) if args.prompts else None
+    levels, server = sweep(args, args.url, serve_args)
+    plain, plain_server = None, None
+    if args.compare_plain or args.plain_url:
+        plain, plain_server = sweep(args, args.plain_url, plain_serve_args(serve_args))
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "texts")}
+    result = {"levels": levels, "plain_levels": plain, "config": config, "serve_args": serve_args,
+              "server": server, "plain_server": plain_server, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("num_ok", "num_failed", "output_token_throughput_per_s")}))
-    print(table(result))
-    return 0 if result["num_failed"] == 0 and result["num_ok"] > 0 else 1
+    for level in levels:
+        print(f"concurrency {level['concurrency']}:")
+        print(json.dumps({k: level[k] for k in ("num_ok", "num_failed", "output_token_throughput_per_s")}))
+        print(table(level))
+    if plain is not None:
+        print(comparison(levels, plain))
+    ran = levels + (plain or [])
+    return 0 if all(r["num_failed"] == 0 and r["num_ok"] > 0 for r in ran) else 1
 
 
 if __name__ == "__main__":
