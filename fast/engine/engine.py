@@ -421,7 +421,7 @@ class Engine:
         try:
             decode = self.decode if self.tokenizer is not None else None
             stopper = Stopper(req.params, self.stop_ids, decode, req.max_new_tokens)
-            req.output_ids, reason = stopper.check(req.output_ids + tokens)
+            req.output_ids, reason = stopper.check(req.output_ids + tokens, checked=before)
             if reason is not None:
                 req.text = stopper.final_text(req.output_ids)
         except Exception as exc:  # noqa: BLE001 - a bug in one request's commit must not end the others

@@ -33,10 +33,12 @@ class Stopper:
         self._stop_ids = set() if self.params.ignore_eos else set(self.stop_token_ids)
         self.text: str | None = None  # set when a stop string cut the text
 
-    def check(self, output: list[int]) -> tuple[list[int], str | None]:
-        """(the output cut at the first ending event, its finish reason or None to go on)."""
-        for i, token in enumerate(output):
-            if token in self._stop_ids:
+    def check(self, output: list[int], checked: int = 0) -> tuple[list[int], str | None]:
+        """(the output cut at the first ending event, its finish reason or None to go on). ``checked``: how many
+        leading tokens an earlier check already passed (they hold no stop id), so only the new ones are scanned
+        for one: a long output costs no more per step than a short one."""
+        for i in range(checked, len(output)):
+            if output[i] in self._stop_ids:
                 return output[:i + 1], "stop"
         if self.params.stop:
             text = self.decode(output)

@@ -93,3 +93,29 @@ def test_field_sizes_follow_the_key():
     # a speculative step's rows are derived on the device from its anchors (step_buffers.speculative_rows)
     assert {"positions", "kv_slot_mapping", "context_lens"} & set(step) == set()
     assert step["draft_limits"] == 4
+
+
+def test_speculative_rows_on_the_device_are_the_host_fill():
+    """``speculative_rows`` (a speculative step's positions, K/V slots and context lengths, derived in the step from
+    its anchors) equals ``fill_batch``'s host fields for the same requests: 3 real requests in a bucket of 4, one
+    near its end whose last rows pass its pages (they write nothing) and one whose rows pass the table's width."""
+    from dflash2.fast.engine.step_buffers import fill_batch, fill_tables, fill_values, speculative_rows
+    from dflash2.fast.model.batch import PAD_SLOT
+
+    key = GraphKey(num_seqs=4, rows_per_seq=4, pages=3, is_verify=True)
+    page_size, anchors, slots = 4, [2, 7, 10], [5, 0, 3]
+    tables = [[8, 2], [1, 4], [6, 7, 9]]  # request 0 holds positions < 8; request 2 rows 10..13 pass 3 * 4 = 12
+    host = StaticInputs(field_sizes(key, decode=True), torch.device("cpu")).host
+    fill_batch(host, key, starts=anchors, slots=slots, tables=tables, logits_rows=range(12), page_size=page_size)
+    inputs = StaticInputs(field_sizes(key, decode=False), torch.device("cpu"), early=EARLY)
+    spec = inputs.begin_fill()
+    fill_values(spec.anchors, anchors, 0)
+    fill_values(spec.state_slots, slots, PAD_SLOT)
+    fill_tables(spec, key, tables)
+    inputs.upload()
+    positions, kv_slots, context_lens = speculative_rows(inputs.device, key, page_size)
+    assert positions.tolist() == host.positions.tolist()
+    assert kv_slots.tolist() == host.kv_slot_mapping.tolist()
+    assert context_lens.tolist() == host.context_lens.tolist() == [6, 11, 12, 0]
+    assert kv_slots.tolist()[:4] == [34, 35, 8, 9] and kv_slots.tolist()[8:12] == [38, 39, PAD_SLOT, PAD_SLOT]
+    assert spec.block_tables.tolist() == host.block_tables.tolist()

@@ -38,3 +38,12 @@ def test_a_stop_string_cuts_the_text_not_the_ids():
 def test_stop_strings_without_a_tokenizer_are_refused():
     with pytest.raises(RequestError, match="stop="):
         Stopper(SamplingParams(stop=("x",)))
+
+
+def test_a_check_of_new_tokens_only_scans_them():
+    """``checked``: the leading tokens an earlier check passed are not scanned again (the engine's per-step
+    commit); the new ones are, and the cut and reason are the full scan's."""
+    stopper = Stopper(SamplingParams(max_tokens=10), stop_token_ids=(9,))
+    assert stopper.check([1, 2, 9, 4, 9], checked=3) == ([1, 2, 9, 4, 9], "stop")
+    assert stopper.check([1, 2, 3, 9, 5], checked=3) == ([1, 2, 3, 9], "stop")
+    assert stopper.check([1, 2, 3, 4], checked=2) == ([1, 2, 3, 4], None)
