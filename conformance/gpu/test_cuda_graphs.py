@@ -11,7 +11,8 @@
    lies within rounding of a CDF edge, about 1e-7 per token).
 3. TOKEN_STREAM: DFlash steps that launch the next step's proposal ahead (``StepGraphs``, "Proposal
    ahead") give exactly the tokens of graph steps that do not, greedy and sampled, and steps did use a
-   proposal launched ahead.
+   proposal launched ahead; steps that launch the whole next step (overlap scheduling) give exactly the tokens
+   of the synchronous engine, MTP and DFlash.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def test_sampled_steps_replay_and_give_the_eager_engines_tokens(stack, algorithm
     name, target_dir, draft_dir = stack
     prompts = [[1, 2, 3], list(range(5, 30)), [9] * 7, list(range(40, 51)), [4, 4]]
     kwargs = dict(dtype=torch.float32, device="cuda", max_running_req=3, speculative_algorithm=algorithm,
+                  speculative_depth="fixed",  # sampled tokens compared exactly: the same k every step
                   speculative_draft_model_path=draft_dir if algorithm == "dflash" else None)
     graphed = LLM(target_dir, **kwargs)
     fast = graphed.generate(prompts, MIXED)
@@ -117,6 +119,7 @@ def test_graph_engine_gives_the_eager_engines_tokens(stack, algorithm):
     prompts = [[1, 2, 3], list(range(5, 30)), [9] * 7, list(range(40, 51)), [4, 4]]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     kwargs = dict(dtype=torch.float32, device="cuda", max_running_req=3, speculative_algorithm=algorithm,
+                  speculative_depth="fixed",  # sampled tokens compared exactly: the same k every step
                   speculative_draft_model_path=draft_dir if algorithm == "dflash" else None)
     graphed = LLM(target_dir, **kwargs)
     fast = graphed.generate(prompts, params)
@@ -125,7 +128,8 @@ def test_graph_engine_gives_the_eager_engines_tokens(stack, algorithm):
     assert replayed, f"{name} {algorithm}: no step was replayed from a CUDA graph"
     assert all(len(step.graphs) > 1 for step in replayed.values()), "a capture was not cut into several graphs"
     if algorithm == "dflash":  # steady steps found their early fields advanced on the device (StepGraphs)
-        assert runner.step_graphs.field_reuses + runner.step_graphs.ahead.used > 0, \
+        graphs = runner.step_graphs
+        assert graphs.field_reuses + graphs.ahead.used + graphs.launched_ahead > 0, \
             f"{name}: no step reused its early fields"
     eager = LLM(target_dir, enforce_eager=True, **kwargs).generate(prompts, params)
     runner = None  # the reference, to judge a divergence
@@ -149,7 +153,8 @@ def test_proposals_launched_ahead_give_the_same_tokens(stack):
               SamplingParams(max_tokens=48, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=48, temperature=1.0, top_k=5, seed=4, ignore_eos=True)]
     kwargs = dict(dtype=torch.float32, device="cuda", max_running_req=3, speculative_algorithm="dflash",
-                  speculative_draft_model_path=draft_dir)
+                  speculative_draft_model_path=draft_dir, speculative_depth="fixed",
+                  overlap_schedule=False)  # whole steps launched ahead would take the proposals' place
     outputs = {}
     for mode in ("ahead", "no ahead"):
         llm = LLM(target_dir, **kwargs)
@@ -159,3 +164,25 @@ def test_proposals_launched_ahead_give_the_same_tokens(stack):
             graphs = llm.engine.runner.step_graphs
             assert graphs.ahead.used > 0, f"{name}: no step used a proposal launched ahead"
     assert outputs["ahead"] == outputs["no ahead"], f"{name}: proposals ahead changed the tokens"
+
+
+@pytest.mark.parametrize("algorithm", ["mtp", "dflash"])
+def test_overlap_scheduling_gives_the_synchronous_tokens(stack, algorithm):
+    """Whole steps launched before the one before them is read (overlap scheduling, the default) against
+    ``--disable-overlap-schedule``: bit for bit the same tokens (the same graphs), greedy and sampled in one batch,
+    requests of different lengths (so the last steps verify fewer drafts on the same capture), and steps were
+    launched ahead."""
+    name, target_dir, draft_dir = stack
+    prompts = [list(range(5, 30)), [9] * 7, [4, 4, 8]]
+    params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=41, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=45, temperature=1.0, top_k=5, seed=4, ignore_eos=True)]
+    kwargs = dict(dtype=torch.float32, device="cuda", max_running_req=3, speculative_algorithm=algorithm,
+                  speculative_draft_model_path=draft_dir if algorithm == "dflash" else None, speculative_depth="fixed")
+    outputs = {}
+    for overlap in (True, False):
+        llm = LLM(target_dir, overlap_schedule=overlap, **kwargs)
+        outputs[overlap] = [out.token_ids for out in llm.generate(prompts, params)]
+        launched = llm.engine.runner.step_graphs.launched_ahead
+        assert (launched > 0) == overlap, f"{name} {algorithm}: {launched} steps launched ahead"
+    assert outputs[True] == outputs[False], f"{name} {algorithm}: overlap scheduling changed the tokens"
