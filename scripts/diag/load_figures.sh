@@ -55,4 +55,15 @@ for path in sorted(out.glob("*/bench.json")):
         print(f"| {tree} | {kind} | {r['concurrency']} | {o['tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
               f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}x | {o['step_ms_median']:.2f} | {r['step_ms_median']:.2f} | "
               f"{r['tokens_per_step']:.2f} |")
+# sampled plain decode's step over greedy plain decode's, per tree and level (issue 32: <= 1.3x at one request)
+steps = {}
+for path in out.glob("*/bench.json"):
+    tree, kind = path.parent.name.split("-", 1)
+    for r in json.loads(path.read_text())["runs"]:
+        if r["setting"] == "off" and "error" not in r:
+            steps[(tree, kind, r["concurrency"])] = r["step_ms_median"]
+for (tree, kind, conc), ms in sorted(steps.items()):
+    if kind == "sampled" and (tree, "greedy", conc) in steps:
+        print(f"- {tree} c={conc}: sampled plain step / greedy plain step = {ms:.3f} / "
+              f"{steps[(tree, 'greedy', conc)]:.3f} ms = {ms / steps[(tree, 'greedy', conc)]:.2f}x")
 EOF
