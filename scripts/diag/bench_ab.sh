@@ -12,19 +12,7 @@ shift 5
 repo=$(pwd) out=${OUT:-/tmp/bench_ab}
 shapes=${SHAPES_DIR:-$repo/bench/shapes} prompt_len=${PROMPT_LEN:-4096}  # a CPU dry run: a tiny pair, a short prompt
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-site=""
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && site=/tmp/site:
-fi
-link_tree() {  # $1 tree, $2 package root: dflash2.<pkg> -> the tree's folders
-  mkdir -p "$2/dflash2"
-  for pkg in reference fast bench train models cli; do
-    [ -d "$1/$pkg" ] && ln -sfn "$1/$pkg" "$2/dflash2/$pkg"
-  done
-}
-link_tree "$base" /tmp/pkg-base
-link_tree "$repo" /tmp/pkg-this
+source "$repo/scripts/diag/two_trees.sh"
 runs=$(python3 -c "print(','.join(['off:1:$prompt_len,dflash7:1:$prompt_len'] * $pairs))")
 bench_in() {  # $1 tree name, $2 round, then extra ft bench flags
   local tree=$1 round=$2

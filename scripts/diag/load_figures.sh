@@ -13,22 +13,14 @@ set -uo pipefail
 base=$(cd "$1" && pwd) levels=${2:-1,8,32,64}
 repo=$(pwd) out=${OUT:-/tmp/load_figures}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-link_tree() {  # $1 tree, $2 package root: dflash2.<pkg> -> the tree's folders
-  mkdir -p "$2/dflash2"
-  for pkg in reference fast bench train models cli; do
-    [ -d "$1/$pkg" ] && ln -sfn "$1/$pkg" "$2/dflash2/$pkg"
-  done
-}
-link_tree "$base" /tmp/pkg-base
-link_tree "$repo" /tmp/pkg-this
+source "$repo/scripts/diag/two_trees.sh"
 runs=$(python3 -c "print(','.join(f'off:{c}:64,dflash7:{c}:64' for c in '$levels'.split(',')))")
 bench_in() {  # $1 tree, $2 kind, then extra ft bench flags
   local tree=$1 kind=$2
   shift 2
   local dir root=/tmp/pkg-$tree start=$(date +%s)
   dir=$( [ "$tree" = base ] && echo "$base" || echo "$repo")
-  (cd "$dir" && PYTHONPATH=$root python3 -m dflash2.cli bench --model "$repo/models/pycoder-10m/target" \
+  (cd "$dir" && PYTHONPATH=$site$root python3 -m dflash2.cli bench --model "$repo/models/pycoder-10m/target" \
     --draft "$repo/models/pycoder-10m/draft" --prompts "$repo/bench/prompts/python-8.json" --max-tokens 128 \
     --runs "$runs" --out "$out/$tree-$kind" "$@") > "$out/$tree-$kind.log" 2>&1
   echo "$tree $kind rc $? in $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
