@@ -183,10 +183,10 @@ def test_a_logprob_under_top_k_is_minus_inf_off_the_support(tiny):
 
 def test_an_error_in_one_requests_commit_fails_it_alone(tiny, monkeypatch):
     class Failing(Stopper):
-        def check(self, output):
+        def check(self, output, checked=0):
             if self.params.seed == 666:
                 raise ValueError("planted")
-            return super().check(output)
+            return super().check(output, checked)
 
     engine = make_engine(tiny, "dflash")
     expected = engine.generate(PROMPTS[:2], [params(0), params(1)])

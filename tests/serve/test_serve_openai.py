@@ -248,10 +248,10 @@ def test_health_answers_during_a_long_step(spec, monkeypatch):
 
 def test_an_error_in_one_request_fails_it_alone(spec, monkeypatch):
     class Failing(Stopper):
-        def check(self, output):
+        def check(self, output, checked=0):
             if self.params.seed == 666:
                 raise RuntimeError("planted")
-            return super().check(output)
+            return super().check(output, checked)
 
     monkeypatch.setattr(engine_module, "Stopper", Failing)
     client = spec.client()
