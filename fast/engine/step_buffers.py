@@ -198,9 +198,9 @@ def fill_batch(host: StepFields[np.ndarray], key: GraphKey, *, starts: Sequence[
     logits_rows: M ints (padded with every row after them). Lists, numpy arrays or CPU tensors.
     ``slots=None`` leaves ``state_slots`` as written before (a step that uploaded it early).
 
-    A row at a position its table has no page for (a request verifying fewer drafts than the step's k, near its
-    end: its last rows may pass its pages, even max_model_len) writes nothing (``PAD_SLOT``), and the context a
-    sequence's rows read stops at its table's width, so no row reads or writes outside its own pages.
+    A row at a position its table has no page for writes nothing (``PAD_SLOT``), and the context a sequence's rows
+    read stops at its table's width, so no row reads or writes outside its own pages (the rule
+    :func:`speculative_rows` applies on the device, where a request near its end runs rows past its pages).
     """
     b, r, p = key.num_seqs, key.rows_per_seq, key.pages
     starts = np.asarray(starts, dtype=np.int64)
