@@ -11,6 +11,8 @@ link_tree() {  # $1 tree, $2 package root: dflash2.<pkg> -> the tree's folders
   for pkg in reference fast bench train models cli; do
     [ -d "$1/$pkg" ] && ln -sfn "$1/$pkg" "$2/dflash2/$pkg"
   done
+  # a base tree archived without models/ (the weights would push a call past its 64 MiB) shares this tree's
+  [ -d "$1/models" ] || ln -sfn "$repo/models" "$2/dflash2/models"
 }
 link_tree "$base" /tmp/pkg-base
 link_tree "$repo" /tmp/pkg-this
