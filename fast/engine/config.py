@@ -56,6 +56,11 @@ class EngineConfig:
     overlap_schedule: bool = True
     pdl: bool = True  # Hopper+: the draft's and the MoE's kernels launch with programmatic dependent launch
     l2_prefetch: bool = True  # Hopper+: tuned GEMMs prefetch their weight slice into L2 before their PDL wait
+    # prefix caching (engine/prefix_cache.py): prompts resume from snapshots of earlier requests' state, taken every
+    # snapshot_interval prompt tokens (a multiple of page_size) and at each finish; --no-prefix-caching turns it off
+    prefix_caching: bool = True
+    snapshot_interval: int = 512
+    prefix_snapshots: int | None = None  # snapshot slots (GDN state + the proposer's); None: up to 4 per request slot
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):
@@ -105,7 +110,13 @@ class EngineConfig:
                "an integer in [0, 2^63)")
         expect(self.load_format in LOAD_FORMATS, ConfigError, "load_format", self.load_format,
                f"one of {LOAD_FORMATS}")
-        for name in ("enforce_eager", *SPEED_SWITCHES):
+        expect(is_int(self.snapshot_interval) and self.snapshot_interval >= self.page_size
+               and self.snapshot_interval % self.page_size == 0, ConfigError, "snapshot_interval",
+               self.snapshot_interval, f"a positive multiple of page_size ({self.page_size})")
+        expect(self.prefix_snapshots is None or (is_int(self.prefix_snapshots) and self.prefix_snapshots >= 1),
+               ConfigError, "prefix_snapshots", self.prefix_snapshots,
+               "None (automatic) or an integer >= 1 (turn the cache off with prefix_caching=False)")
+        for name in ("enforce_eager", "prefix_caching", *SPEED_SWITCHES):
             expect(isinstance(getattr(self, name), bool), ConfigError, name, getattr(self, name), "a bool")
 
     def resolved(self) -> EngineConfig:
@@ -140,7 +151,8 @@ def _field(name: str):
 
 # flags of ``ft generate`` that fill EngineConfig fields (model_path is --model, the spec flags are shared)
 ENGINE_FLAGS = ("dtype", "device", "max_running_req", "max_num_batched_tokens", "page_size", "memory_ratio",
-                "cpu_cache_bytes", "max_model_len", "load_format", "speculative_depth", "enforce_eager", *SPEED_SWITCHES)
+                "cpu_cache_bytes", "max_model_len", "load_format", "speculative_depth", "enforce_eager", *SPEED_SWITCHES,
+                "prefix_caching", "snapshot_interval", "prefix_snapshots")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

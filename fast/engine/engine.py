@@ -19,6 +19,15 @@ The same loop, one step at a time, is the incremental API a server drives (``fas
 ``generate`` runs on that API (its requests are added, then ``step`` runs until they finish), so the
 two share one scheduler; it needs an engine with no incremental requests in flight.
 
+Prefix caching (``EngineConfig.prefix_caching``, ``prefix_cache.py``): the scheduler admits a request on the
+longest cached snapshot of its prompt, and the step's plan carries the restores, which run before its forward
+(``snapshots.py``: the snapshot's GDN and proposer state into the request's slot, one page copied). After a
+prefill step, a chunk that ended at a multiple of ``snapshot_interval`` is snapshotted; a request that finishes
+(stop or length) with its state exactly at its frontier is snapshotted before its pages and slot go back, so the
+next turn of a conversation resumes after all of it. Not at its frontier: a stop cut inside a step's tokens
+(the state ran past the cut), or, with overlap scheduling, a next step already launched with the request (it
+has moved the state on); those finishes keep only the prefill's snapshots.
+
 Overlap scheduling (``EngineConfig.overlap_schedule``, ``runner.py``): a steady speculative step may launch the
 next step of the same requests before its own tokens are read; the next ``step`` call then collects that one
 (possibly launching the one after it) instead of scheduling, and commits its tokens for the requests still live
@@ -29,10 +38,12 @@ step's forward leaves the caller to decide (``fail_running``).
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections import Counter
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from dflash2.reference.formats.errors import RequestError, UserInputError
@@ -46,7 +57,8 @@ from ..speculative.step import SpeculativeStep
 from .graph_step import TargetGraphs
 from .logprobs import TokenLogprob
 from .runner import ModelRunner
-from .scheduler import PrefillPlan, Req, ReqStatus, Scheduler, pages_for
+from .prefix_cache import PrefixCache
+from .scheduler import PrefillPlan, Req, ReqStatus, Restore, Scheduler, pages_for
 from .startup import LoadedModel, load_model
 
 logger = logging.getLogger("dflash2.fast.engine")
@@ -62,6 +74,7 @@ class RequestOutput:
     finish_reason: str  # "stop" | "length" | "error"
     error: str | None = None  # why the request was refused (finish_reason "error", no tokens)
     verify_steps: int = 0  # speculative steps (0 for plain decoding)
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
     num_emitted: int = 0  # tokens committed by those steps, before any cut at a stop
     timing: dict[str, float] = field(default_factory=dict)  # prefill_s, decode_s, total_s, output_tokens_per_s
     steps: list[StepRecord] = field(default_factory=list)  # with trace=True
@@ -89,6 +102,7 @@ class RequestDelta:
     num_accepted: int | None = None  # of those, accepted (None: not a verify step)
     error: str | None = None  # finish_reason "error": why
     text: str | None = None  # the final text (stop strings cut), once finished
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache (OpenAI usage's cached_tokens)
 
 
 @dataclass(frozen=True)
@@ -104,12 +118,20 @@ class PoolUsage:
     free_ring_slots: int
     running: int
     waiting: int
+    cached_pages: int = 0  # pages the prefix cache holds (some may be shared with running requests)
+    snapshots: int = 0  # prefix-cache snapshots kept
+    total_snapshots: int = 0  # prefix-cache snapshot slots
+
+    def without_cache(self) -> PoolUsage:
+        """This usage as if the prefix cache were dropped (at idle: every page free), to compare across steps."""
+        return replace(self, free_pages=self.free_pages + self.cached_pages, cached_pages=0, snapshots=0)
 
     @property
     def idle(self) -> bool:
-        return (self.free_pages == self.total_pages and self.reserved_pages == 0 and self.free_slots ==
-                self.total_slots and self.free_ring_slots == self.total_ring_slots and not self.running
-                and not self.waiting)
+        """Nothing runs, waits or is reserved; every page is free or held by the prefix cache alone."""
+        return (self.free_pages + self.cached_pages == self.total_pages and self.reserved_pages == 0 and
+                self.free_slots == self.total_slots and self.free_ring_slots == self.total_ring_slots
+                and not self.running and not self.waiting)
 
 
 class Engine:
@@ -151,10 +173,30 @@ class Engine:
 
     def new_scheduler(self) -> Scheduler:
         cfg = self.config
+        prefix = None
+        if self.model.snapshots is not None:
+            prefix = functools.partial(PrefixCache, page_size=cfg.page_size,
+                                       num_slots=self.model.snapshots.num_snapshots,
+                                       snapshot_interval=cfg.snapshot_interval,
+                                       rewrites_last_row=cfg.speculative_algorithm == "mtp")
         return Scheduler(max_running_req=cfg.max_running_req, max_num_batched_tokens=cfg.max_num_batched_tokens,
                          page_size=cfg.page_size, num_pages=self.model.memory.num_pages,
                          k=self.model.k, max_model_len=self.model.max_model_len,
-                         depth=self.depth.choose if self.depth is not None and self.depth.adaptive else None)
+                         depth=self.depth.choose if self.depth is not None and self.depth.adaptive else None,
+                         prefix_cache=prefix)
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.scheduler.prefix
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached snapshot and the pages only they hold; how many were dropped."""
+        cache = self.scheduler.prefix
+        if cache is None:
+            return 0
+        before = cache.num_snapshots
+        cache.clear()
+        return before - cache.num_snapshots
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -314,15 +356,28 @@ class Engine:
         states = proposer.slot_states() if proposer is not None else ()
         ring_slots = max((state.num_slots for state in states), default=0)
         held_rings = len({s for s in held_slots if s < ring_slots})
+        cache = sched.prefix
+        cached = cache.held_pages() if cache is not None else []
         usage = PoolUsage(pages.num_pages, len(free_pages), pages.reserved, sched.max_running_req,
                           len(sched.free_slots), ring_slots, ring_slots - held_rings, len(sched.running),
-                          len(sched.waiting))
+                          len(sched.waiting), len(set(cached)), cache.num_snapshots if cache is not None else 0,
+                          cache.num_slots if cache is not None else 0)
         if not check:
             return usage
-        held_pages = [p for r in sched.running for p in r.pages]
-        if sorted(free_pages + held_pages) != list(range(pages.num_pages)):
-            raise RuntimeError(f"KV pages: {len(free_pages)} free + {len(held_pages)} held, expected each of the "
+        holders = Counter(p for r in sched.running for p in r.pages) + Counter(cached)
+        if len(set(free_pages)) != len(free_pages) or set(free_pages) & set(holders):
+            raise RuntimeError(f"KV pages: the free list ({len(free_pages)}) repeats a page or holds a held one")
+        if len(free_pages) + len(holders) != pages.num_pages:
+            raise RuntimeError(f"KV pages: {len(free_pages)} free + {len(holders)} held, expected each of the "
                                f"{pages.num_pages} pages exactly once")
+        wrong = [p for p, n in holders.items() if pages.refs[p] != n]
+        if wrong:
+            p = wrong[0]
+            raise RuntimeError(f"KV page {p}: {pages.refs[p]} references counted, {holders[p]} holders "
+                               f"({len(wrong)} pages wrong)")
+        if cache is not None and len(cache.free_slots) + cache.num_snapshots != cache.num_slots:
+            raise RuntimeError(f"snapshot slots: {len(cache.free_slots)} free + {cache.num_snapshots} kept, expected "
+                               f"{cache.num_slots}")
         reserved = sum(r.reserved_pages for r in sched.running)
         if reserved != pages.reserved:
             raise RuntimeError(f"KV pages: {pages.reserved} reserved, expected the running requests' {reserved}")
@@ -345,8 +400,10 @@ class Engine:
         deltas = []
         if isinstance(plan, PrefillPlan):
             reqs = [chunk.req for chunk in plan.chunks]
+            self._restore(plan.restores)
             firsts = self.runner.prefill(plan, top_logprobs=self._wanted_logprobs(reqs))
             logprobs = self.runner.logprobs or [None] * len(reqs)
+            self._snapshot_boundaries(plan)
             for chunk, token, lp in zip(plan.chunks, firsts, logprobs):
                 chunk.req.num_prefilled += chunk.length
                 if token is not None:
@@ -366,6 +423,51 @@ class Engine:
                 deltas.append(self._commit(req, [token], lp))
         scheduler.finished.clear()  # the engine hands finished requests back itself; keep the scheduler bounded
         return deltas
+
+    # ---- the prefix cache -------------------------------------------------------------------------
+
+    def _restore(self, restores: Sequence[Restore]) -> None:
+        """Before a prefill step: the hits' copied pages, then their snapshots' state into their slots."""
+        if not restores:
+            return
+        copies = [r for r in restores if r.copy_src is not None]
+        snapshots = self.model.snapshots
+        snapshots.copy_pages([r.copy_src for r in copies], [r.copy_dst for r in copies])
+        snapshots.load([r.snapshot_slot for r in restores], [r.req.slot for r in restores],
+                       [r.length for r in restores])
+        self.scheduler.prefix.unpin_all()
+
+    def _snapshot_boundaries(self, plan: PrefillPlan) -> None:
+        """After a prefill step: snapshot each request whose chunk ended at a multiple of snapshot_interval."""
+        cache = self.scheduler.prefix
+        if cache is None:
+            return
+        ends = [(c.req, c.start + c.length) for c in plan.chunks]
+        self._snapshot([(req, req.prompt_ids[:end]) for req, end in ends if end % cache.snapshot_interval == 0])
+
+    def _snapshot(self, items: Sequence[tuple[Req, list[int]]]) -> None:
+        """Snapshot each request's state as the state after ``tokens`` (not already kept); one batched copy."""
+        cache = self.scheduler.prefix
+        slots, saved, taken = [], [], []
+        for req, tokens in items:
+            kept = cache.find(tokens)
+            if kept is not None:
+                cache.lru.move_to_end(kept)
+                continue
+            slot = cache.take_slot()
+            if slot is None:
+                continue
+            taken.append(cache.insert(tokens, req.pages, slot))
+            cache.pinned.add(taken[-1])  # a later take_slot of this batch must not evict it before the copy
+            slots.append(req.slot)
+            saved.append(slot)
+        self.model.snapshots.save(slots, saved)
+        cache.pinned.difference_update(taken)
+
+    def _at_frontier(self, req: Req) -> bool:
+        """Whether no step in flight (overlap scheduling) has moved the request's state on."""
+        flight = self.runner.in_flight
+        return flight is None or all(r is not req for r in flight.reqs)
 
     def _collect(self) -> list[RequestDelta]:
         """Commit the step in flight (overlap scheduling) for its requests still live; it may launch the next."""
@@ -431,8 +533,15 @@ class Engine:
         new = req.output_ids[before:]
         logprobs = None if logprobs is None else logprobs[:len(new)]
         if reason is None:
-            return RequestDelta(req.rid, new, logprobs=logprobs, k=k, num_accepted=num_accepted)
+            return RequestDelta(req.rid, new, logprobs=logprobs, k=k, num_accepted=num_accepted,
+                                cached_tokens=req.cached_tokens)
         req.finish_s = time.perf_counter()
+        if (reason in ("stop", "length") and self.scheduler.prefix is not None and len(new) == len(tokens)
+                and self._at_frontier(req)):
+            # the state holds every committed token but the last (the anchor, at position f): the next turn of
+            # this conversation resumes after all of it
+            history = req.prompt_ids + req.output_ids
+            self._snapshot([(req, history[:len(history) - 1])])
         self.scheduler.finish(req, reason, req.error)
         return self._finished(req, new, logprobs, k, num_accepted)
 
@@ -444,7 +553,7 @@ class Engine:
         if req.finish_s is None:
             req.finish_s = time.perf_counter()
         return RequestDelta(req.rid, new, True, req.finish_reason, logprobs, k, num_accepted, req.error,
-                            req.text)
+                            req.text, req.cached_tokens)
 
     def _output(self, req: Req) -> RequestOutput:
         timing = {}
@@ -454,5 +563,5 @@ class Engine:
             timing = {"prefill_s": prefill, "decode_s": total - prefill, "total_s": total,
                       "output_tokens_per_s": len(req.output_ids) / total if total > 0 else 0.0}
         return RequestOutput(req.rid, list(req.prompt_ids), list(req.output_ids), req.text,
-                             req.finish_reason, req.error, req.num_verify_steps,
+                             req.finish_reason, req.error, req.num_verify_steps, req.cached_tokens,
                              req.num_emitted, timing, list(req.steps))

@@ -4,12 +4,15 @@ The budget: on CUDA, after the weights are loaded, ``free - total * (1 - memory_
 weights, the caches and the activations together stay within ``memory_ratio`` of the device); on
 CPU, ``cpu_cache_bytes``. Out of it, first one state slot per running request (the target's GDN
 state plus, with DFlash, the draft's per-request K/V ring and its ``dflash_window`` of context
-rows), then as many KV pages as fit, capped at what ``max_running_req`` requests of
-``max_model_len`` tokens can ever hold. Before either (on CUDA), a workspace is set aside for the largest
-temporaries the draft needs beyond a step's activations (``dflash_workspace_bytes``): the tapped
-features, context rows and context K/V of a full prefill chunk, or a ring rebuild of every slot at
-once (a prefix-cache restore), whichever is larger. The sizes come from the pools' own ``bytes_per_token`` and
-``bytes_per_slot`` so this module knows nothing of their layout.
+rows), then the prefix cache's snapshot slots (each the GDN state and the proposer's saved state:
+``num_snapshots``, chosen by ``snapshot_count``), then as many KV pages as fit, capped at what
+``max_running_req`` requests of ``max_model_len`` tokens can ever hold. Before either (on CUDA), a
+workspace is set aside for the largest temporaries the draft needs beyond a step's activations
+(``dflash_workspace_bytes``): the tapped features, context rows and context K/V of a full prefill
+chunk, or one group of ring rebuilds (a prefix-cache restore rebuilds ``rebuild_group`` rings per
+call, so the workspace does not grow with ``max_running_req``), whichever is larger. The sizes come
+from the pools' own ``bytes_per_token`` and ``bytes_per_slot`` so this module knows nothing of their
+layout.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ class MemoryPlan:
     kv_bytes_per_token: int  # target full-attention layers (and the MTP layer) for one position
     state_bytes_per_slot: int  # the target's GDN state of one request
     draft_bytes_per_slot: int  # the draft's ring and dflash_window of one request (0 without DFlash)
-    workspace_bytes: int = 0  # set aside for the draft's prefill features or a many-slot ring rebuild
+    workspace_bytes: int = 0  # set aside for the draft's prefill features or a group of ring rebuilds
+    num_snapshots: int = 0  # prefix-cache snapshot slots
+    snapshot_bytes: int = 0  # one snapshot slot: the GDN state and the proposer's saved state
 
     @property
     def kv_tokens(self) -> int:
@@ -48,7 +53,8 @@ class MemoryPlan:
     @property
     def total_bytes(self) -> int:
         return (self.kv_tokens * self.kv_bytes_per_token
-                + self.num_slots * (self.state_bytes_per_slot + self.draft_bytes_per_slot) + self.workspace_bytes)
+                + self.num_slots * (self.state_bytes_per_slot + self.draft_bytes_per_slot) + self.workspace_bytes
+                + self.num_snapshots * self.snapshot_bytes)
 
 
 def dflash_slot_bytes(cfg: DraftConfig, dtype: torch.dtype) -> tuple[int, int]:
@@ -58,19 +64,39 @@ def dflash_slot_bytes(cfg: DraftConfig, dtype: torch.dtype) -> tuple[int, int]:
     return ring, WindowPool.bytes_per_slot(cfg.sliding_window, cfg.hidden_size, dtype)
 
 
+def rebuild_group(cfg: DraftConfig, max_num_batched_tokens: int) -> int:
+    """Rings rebuilt per call on a prefix-cache restore: as many as a prefill chunk's rows cover (at least one)."""
+    return max(1, max_num_batched_tokens // max(1, cfg.sliding_window - 1))
+
+
 def dflash_workspace_bytes(cfg: DraftConfig, dtype: torch.dtype, *, max_num_batched_tokens: int,
                            num_slots: int) -> int:
     """The draft's largest temporary outside a step's activations, in bytes.
 
     A prefill chunk of N rows: the tapped target features [N, m*C], the context rows [N, C] and
     their K/V for every draft layer [L, N, Hkv, D] x 2. A ring rebuild of R slots (prefix-cache
-    restore, ``FastDFlashProposer.restore``): the R * (W-1) window rows [., C] and their K/V.
+    restore, ``FastDFlashProposer.restore``): the R * (W-1) window rows [., C] and their K/V, with R
+    at most ``rebuild_group`` (and ``num_slots``).
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     kv_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
     prefill = max_num_batched_tokens * (cfg.num_taps * cfg.hidden_size + cfg.hidden_size + kv_row)
-    rebuild = num_slots * (cfg.sliding_window - 1) * (cfg.hidden_size + kv_row)
+    group = min(num_slots, rebuild_group(cfg, max_num_batched_tokens))
+    rebuild = group * (cfg.sliding_window - 1) * (cfg.hidden_size + kv_row)
     return max(prefill, rebuild) * itemsize
+
+
+SNAPSHOT_SHARE = 0.25  # the most of the cache budget automatic snapshot slots take
+SNAPSHOTS_PER_SLOT = 4  # automatic snapshot slots per running request, at most
+
+
+def snapshot_count(requested: int | None, *, budget_bytes: int, snapshot_bytes: int, num_slots: int) -> int:
+    """Prefix-cache snapshot slots: ``requested``, or (None) up to ``SNAPSHOTS_PER_SLOT`` per running request
+    within ``SNAPSHOT_SHARE`` of the budget, at least one."""
+    if requested is not None:
+        return requested
+    fits = int(budget_bytes * SNAPSHOT_SHARE) // max(1, snapshot_bytes)
+    return max(1, min(SNAPSHOTS_PER_SLOT * num_slots, fits))
 
 
 def cache_budget_bytes(cfg: EngineConfig, device: torch.device) -> int:
@@ -83,19 +109,21 @@ def cache_budget_bytes(cfg: EngineConfig, device: torch.device) -> int:
 
 def plan_memory(budget_bytes: int, *, page_size: int, num_slots: int, max_model_len: int, kv_bytes_per_token: int,
                 state_bytes_per_slot: int, draft_bytes_per_slot: int = 0, workspace_bytes: int = 0,
-                budget_field: str = "memory_ratio") -> MemoryPlan:
-    """Workspace, slots, then pages; refuse a budget that cannot hold the slots and one request's pages."""
+                budget_field: str = "memory_ratio", num_snapshots: int = 0, snapshot_bytes: int = 0) -> MemoryPlan:
+    """Workspace, slots, snapshot slots, then pages; refuse a budget that cannot hold the slots and one page."""
     slot_bytes = num_slots * (state_bytes_per_slot + draft_bytes_per_slot) + workspace_bytes
+    slot_bytes += num_snapshots * snapshot_bytes
     page_bytes = page_size * kv_bytes_per_token
     num_pages = max(0, budget_bytes - slot_bytes) // page_bytes if page_bytes else 0
     num_pages = min(num_pages, num_slots * pages_for(max_model_len, page_size))
     if num_pages < 1:
         raise ConfigError(
-            f"{budget_field}: the cache budget of {budget_bytes / MiB:.1f} MiB holds {num_slots} state slots "
-            f"({slot_bytes / MiB:.1f} MiB with a {workspace_bytes / MiB:.1f} MiB draft workspace) and no KV page ({page_bytes} bytes each): expected a larger budget "
-            "or a smaller max_running_req")
+            f"{budget_field}: the cache budget of {budget_bytes / MiB:.1f} MiB holds {num_slots} state slots and "
+            f"{num_snapshots} prefix-cache snapshot slots ({slot_bytes / MiB:.1f} MiB with a "
+            f"{workspace_bytes / MiB:.1f} MiB draft workspace) and no KV page ({page_bytes} bytes each): expected a "
+            "larger budget, a smaller max_running_req or fewer prefix_snapshots")
     return MemoryPlan(budget_bytes, page_size, num_pages, num_slots, kv_bytes_per_token, state_bytes_per_slot,
-                      draft_bytes_per_slot, workspace_bytes)
+                      draft_bytes_per_slot, workspace_bytes, num_snapshots, snapshot_bytes)
 
 
 def log_plan(plan: MemoryPlan, *, draft_ring_bytes: int = 0, draft_window_bytes: int = 0) -> None:
@@ -107,5 +135,8 @@ def log_plan(plan: MemoryPlan, *, draft_ring_bytes: int = 0, draft_window_bytes:
                     plan.draft_bytes_per_slot / MiB, draft_ring_bytes / MiB, draft_window_bytes / MiB,
                     plan.num_slots, plan.num_slots * plan.draft_bytes_per_slot / MiB)
     if plan.workspace_bytes:
-        logger.info("DFlash draft workspace (prefill features or a ring rebuild of every slot): %.1f MiB",
+        logger.info("DFlash draft workspace (prefill features or a group of ring rebuilds): %.1f MiB",
                     plan.workspace_bytes / MiB)
+    if plan.num_snapshots:
+        logger.info("prefix cache: %d snapshot slots of %.2f MiB (GDN state and the proposer's saved state), %.1f MiB",
+                    plan.num_snapshots, plan.snapshot_bytes / MiB, plan.num_snapshots * plan.snapshot_bytes / MiB)

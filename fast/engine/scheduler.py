@@ -1,6 +1,6 @@
 """Continuous batching: which requests run in the next step, and the pages and slots they hold.
 
-A request's life (mini-sglang's, without a prefix cache yet):
+A request's life (mini-sglang's, with a prefix cache for hybrid targets: ``prefix_cache.py``):
 
 1. ``add``: validated requests wait in FIFO order (an invalid one is finished at once with its
    error, and never holds anything).
@@ -8,8 +8,16 @@ A request's life (mini-sglang's, without a prefix cache yet):
    KV pages for the request's whole budget, ``min(prompt + max_tokens, max_model_len)`` tokens.
    Reserving the budget up front means a running request never runs out of pages, so nothing is
    ever preempted; pages are still allocated lazily, as the context grows, out of the reservation.
+   With a prefix cache, admission first looks up the longest cached snapshot of the prompt: the
+   request shares its pages, reserves only the rest, starts its prefill past the hit and carries a
+   :class:`Restore` in the plan (the runner copies the snapshot's state into its slot before the
+   step's forward). When pages are short, least recently used snapshots are evicted, but only if
+   that frees enough: a request never waits on pages eviction could free, and the cache is not
+   emptied for a request that would wait anyway.
 3. Prefill in chunks: a prefill step packs prompt chunks of admitted requests (unfinished ones
    first, in admission order, then newly admitted ones) up to ``max_num_batched_tokens`` rows.
+   With a prefix cache a chunk also ends at every multiple of ``snapshot_interval``, where the
+   engine snapshots the request's state.
 4. Decode/verify steps: every request whose prompt is done contributes its anchor (the last
    committed token, not yet through the target) and ``k`` drafts. Prefill steps and decode steps
    are separate; a step is a prefill step whenever some admitted prompt is unfinished or a
@@ -33,6 +41,8 @@ from enum import Enum
 
 from dflash2.reference.request.sampling_params import SamplingParams
 
+from .prefix_cache import PrefixCache
+
 
 class ReqStatus(Enum):
     WAITING = "waiting"
@@ -51,6 +61,7 @@ class Req:
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_prefilled: int = 0  # prompt tokens already run through the target
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache (not run through the target)
     slot: int = -1  # GDN state slot (also the MTP / DFlash per-request state)
     pages: list[int] = field(default_factory=list)
     reserved_pages: int = 0  # pages promised at admission and not yet allocated
@@ -99,8 +110,21 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class Restore:
+    """Before a request's first chunk: copy snapshot ``snapshot_slot`` (the state after ``length`` tokens) into
+    its slot, and page ``copy_src`` into its private page ``copy_dst`` (None: nothing to copy)."""
+
+    req: Req
+    snapshot_slot: int
+    length: int
+    copy_src: int | None
+    copy_dst: int | None
+
+
+@dataclass(frozen=True)
 class PrefillPlan:
     chunks: list[PrefillChunk]
+    restores: list[Restore] = field(default_factory=list)  # run before the chunks (prefix-cache hits)
 
 
 @dataclass(frozen=True)
@@ -110,11 +134,17 @@ class DecodePlan:
 
 
 class PageAllocator:
-    """KV pages: a free list, with reservations counted against it."""
+    """KV pages: a free list, with reservations counted against it, and a reference count per page.
+
+    A page taken from the free list has one reference (the request that takes it); the prefix cache and
+    requests resuming from it add references (``share``) and give them back (``drop``); a page returns
+    to the free list when its last reference goes.
+    """
 
     def __init__(self, num_pages: int):
         self.num_pages = num_pages
         self.free_pages: deque[int] = deque(range(num_pages))
+        self.refs = [0] * num_pages
         self.reserved = 0  # pages promised to admitted requests, not yet handed out
 
     @property
@@ -129,10 +159,24 @@ class PageAllocator:
     def take_reserved(self, n: int) -> list[int]:
         assert n <= self.reserved and n <= len(self.free_pages)
         self.reserved -= n
-        return [self.free_pages.popleft() for _ in range(n)]
+        pages = [self.free_pages.popleft() for _ in range(n)]
+        for page in pages:
+            self.refs[page] = 1
+        return pages
+
+    def share(self, page: int) -> None:
+        assert self.refs[page] > 0, f"sharing page {page}, which nobody holds"
+        self.refs[page] += 1
+
+    def drop(self, page: int) -> None:
+        assert self.refs[page] > 0, f"dropping page {page}, which nobody holds"
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self.free_pages.append(page)
 
     def release(self, pages: list[int], unused_reservation: int) -> None:
-        self.free_pages.extend(pages)
+        for page in pages:
+            self.drop(page)
         self.reserved -= unused_reservation
         assert self.reserved >= 0 and len(self.free_pages) <= self.num_pages
 
@@ -145,7 +189,8 @@ class Scheduler:
     """Queues, admission, chunking and resource accounting; no tensors (the runner builds those)."""
 
     def __init__(self, *, max_running_req: int, max_num_batched_tokens: int, page_size: int, num_pages: int,
-                 k: int = 0, max_model_len: int, depth: Callable[[int], int] | None = None):
+                 k: int = 0, max_model_len: int, depth: Callable[[int], int] | None = None,
+                 prefix_cache: Callable[[PageAllocator], PrefixCache] | None = None):
         self.max_running_req = max_running_req
         self.max_num_batched_tokens = max_num_batched_tokens
         self.page_size = page_size
@@ -154,6 +199,9 @@ class Scheduler:
         self._chosen_depth: int | None = None  # a depth chosen ahead for the next step (choose_depth)
         self.max_model_len = max_model_len
         self.pages = PageAllocator(num_pages)
+        # prefix_cache: builds the cache over this scheduler's pages (None: no prefix caching)
+        self.prefix: PrefixCache | None = prefix_cache(self.pages) if prefix_cache is not None else None
+        self._restores: list[Restore] = []  # hits admitted by the schedule() being planned
         self.free_slots: deque[int] = deque(range(max_running_req))
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted, in admission order
@@ -184,14 +232,41 @@ class Scheduler:
     # ---- planning -----------------------------------------------------------------------------
 
     def _can_admit(self, req: Req) -> bool:
-        return bool(self.free_slots) and pages_for(req.budget_tokens, self.page_size) <= self.pages.available
+        """Whether ``req`` fits now: a free slot and its pages (after what eviction would free). No side effects."""
+        if not self.free_slots:
+            return False
+        hit = self.prefix.lookup(req.prompt_ids) if self.prefix is not None else None
+        need = pages_for(req.budget_tokens, self.page_size) - (hit.num_shared if hit is not None else 0)
+        if need <= self.pages.available:
+            return True
+        return self.prefix is not None and need <= self.pages.available + self.prefix.freeable_pages(hit)
 
     def _admit(self, req: Req) -> None:
+        """Admit ``req`` (``_can_admit`` said it fits): its slot, its hit (shared pages, a Restore) and reservation."""
+        hit = self.prefix.lookup(req.prompt_ids) if self.prefix is not None else None
+        shared = hit.pages[:hit.num_shared] if hit is not None else []
+        need = pages_for(req.budget_tokens, self.page_size) - len(shared)
+        if self.prefix is not None:
+            if hit is not None:
+                self.prefix.use(hit, req.prompt_len)  # pinned: the eviction below keeps it
+            else:
+                self.prefix.count_miss(req.prompt_len)
+            self.prefix.evict_until(need)
         req.slot = self.free_slots.popleft()
-        req.reserved_pages = pages_for(req.budget_tokens, self.page_size)
-        self.pages.reserve(req.reserved_pages)
+        for page in shared:
+            self.pages.share(page)
+        req.pages = list(shared)
+        req.reserved_pages = need
+        self.pages.reserve(need)
         req.status = ReqStatus.RUNNING
         self.running.append(req)
+        if hit is not None:
+            copy_dst = None
+            if hit.copy_page is not None:
+                self.ensure_pages(req, (len(shared) + 1) * self.page_size)
+                copy_dst = req.pages[-1]
+            req.num_prefilled = req.cached_tokens = hit.length
+            self._restores.append(Restore(req, hit.snapshot.slot, hit.length, hit.copy_page, copy_dst))
 
     def schedule(self) -> PrefillPlan | DecodePlan | None:
         """The next step: prompt chunks if any prompt can advance, else one decode/verify step for all."""
@@ -250,10 +325,14 @@ class Scheduler:
             self._admit(req)
             chunks.append(self._chunk(req, budget))
             budget -= chunks[-1].length
-        return PrefillPlan(chunks) if chunks else None
+        restores, self._restores = self._restores, []
+        return PrefillPlan(chunks, restores) if chunks else None
 
     def _chunk(self, req: Req, budget: int) -> PrefillChunk:
         length = min(req.prompt_len - req.num_prefilled, budget)
+        if self.prefix is not None:  # end at the next snapshot boundary
+            interval = self.prefix.snapshot_interval
+            length = min(length, (req.num_prefilled // interval + 1) * interval - req.num_prefilled)
         self.ensure_pages(req, req.num_prefilled + length)
         return PrefillChunk(req, req.num_prefilled, length)
 

@@ -30,7 +30,9 @@ from ..model.target import FastTarget
 from ..speculative.dflash import FastDFlashProposer
 from ..speculative.mtp import FastMTPProposer
 from .config import EngineConfig
-from .memory import MemoryPlan, cache_budget_bytes, dflash_slot_bytes, dflash_workspace_bytes, log_plan, plan_memory
+from .memory import (MemoryPlan, cache_budget_bytes, dflash_slot_bytes, dflash_workspace_bytes, log_plan, plan_memory,
+                     rebuild_group, snapshot_count)
+from .snapshots import StateSnapshots
 from ..speculative.proposer import Proposer
 
 logger = logging.getLogger("dflash2.fast.engine")
@@ -48,6 +50,7 @@ class LoadedModel:
     memory: MemoryPlan
     tokenizer: object | None
     stop_token_ids: tuple[int, ...]
+    snapshots: StateSnapshots | None = None  # the prefix cache's snapshot slots (None: prefix caching off)
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -92,8 +95,15 @@ def load_model(config: EngineConfig) -> LoadedModel:
     num_slots = cfg.max_running_req
     ring_bytes, window_bytes = dflash_slot_bytes(draft_cfg, dtype) if draft_cfg is not None else (0, 0)
     use_mtp = cfg.speculative_algorithm == "mtp"
+    budget = cache_budget_bytes(cfg, device)
+    num_snapshots = snapshot_bytes = 0
+    if cfg.prefix_caching:  # a snapshot slot: the GDN state and what the proposer saves (window or pending row)
+        saved = window_bytes if draft_cfg is not None else target_cfg.hidden_size * _itemsize(dtype) if use_mtp else 0
+        snapshot_bytes = gdn_bytes_per_slot(target_cfg, dtype) + saved
+        num_snapshots = snapshot_count(cfg.prefix_snapshots, budget_bytes=budget, snapshot_bytes=snapshot_bytes,
+                                       num_slots=num_slots)
     plan = plan_memory(
-        cache_budget_bytes(cfg, device), page_size=cfg.page_size, num_slots=num_slots, max_model_len=max_model_len,
+        budget, page_size=cfg.page_size, num_slots=num_slots, max_model_len=max_model_len,
         kv_bytes_per_token=kv_bytes_per_token(target_cfg, dtype, use_mtp),
         state_bytes_per_slot=gdn_bytes_per_slot(target_cfg, dtype)
         + verify_bytes_per_seq(target_cfg, dtype, k + 1),
@@ -102,14 +112,21 @@ def load_model(config: EngineConfig) -> LoadedModel:
         # on CPU cpu_cache_bytes budgets the caches alone
         workspace_bytes=0 if draft_cfg is None or device.type != "cuda" else dflash_workspace_bytes(
             draft_cfg, dtype, max_num_batched_tokens=cfg.max_num_batched_tokens, num_slots=num_slots),
-        budget_field="memory_ratio" if device.type == "cuda" else "cpu_cache_bytes")
+        budget_field="memory_ratio" if device.type == "cuda" else "cpu_cache_bytes",
+        num_snapshots=num_snapshots, snapshot_bytes=snapshot_bytes)
     log_plan(plan, draft_ring_bytes=ring_bytes, draft_window_bytes=window_bytes)
     pools = CachePools(target_cfg, plan.num_pages, cfg.page_size, num_slots, k + 1, dtype, device,
                        mtp=use_mtp)
     proposer = None
     if draft is not None:
-        proposer = FastDFlashProposer(draft, num_slots)
+        proposer = FastDFlashProposer(draft, num_slots, num_snapshots=num_snapshots,
+                                      rebuild_group=rebuild_group(draft_cfg, cfg.max_num_batched_tokens))
     elif mtp is not None:
-        proposer = FastMTPProposer(mtp, pools)
+        proposer = FastMTPProposer(mtp, pools, num_snapshots=num_snapshots)
+    snapshots = StateSnapshots(pools, proposer, num_snapshots) if num_snapshots else None
     return LoadedModel(cfg, target_cfg, target, pools, proposer, k, max_model_len, plan, tokenizer,
-                       stop_token_ids)
+                       stop_token_ids, snapshots)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

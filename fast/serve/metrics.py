@@ -44,6 +44,13 @@ class ServeMetrics:
         self.kv_pages_free = gauge("kv_pages_free", "KV cache pages on the free list")
         self.kv_pages_total = gauge("kv_pages_total", "KV cache pages")
         self.state_slots_free = gauge("state_slots_free", "GDN state slots free (one per running request)")
+        self.prefix_pages = gauge("prefix_cache_pages", "KV pages the prefix cache holds")
+        self.prefix_snapshots = gauge("prefix_cache_snapshots", "Prefix-cache snapshots kept (GDN and draft state)")
+        # vLLM's units: prompt tokens looked up at admission, and of those, tokens restored from the cache
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens restored from the prefix cache")
+        self.prefix_evictions = counter("prefix_cache_evictions", "Prefix-cache snapshots evicted (LRU)")
+        self._prefix_seen = (0, 0, 0)  # the cache's counters at the last step
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
@@ -83,6 +90,16 @@ class ServeMetrics:
         self.kv_pages_free.set(usage.free_pages)
         self.kv_pages_total.set(usage.total_pages)
         self.state_slots_free.set(usage.free_slots)
+        self.prefix_pages.set(usage.cached_pages)
+        self.prefix_snapshots.set(usage.snapshots)
+        cache = engine.prefix_cache
+        if cache is not None:
+            now = (cache.stats.queries, cache.stats.hits, cache.stats.evictions)
+            for metric, new, old in zip((self.prefix_queries, self.prefix_hits, self.prefix_evictions), now,
+                                        self._prefix_seen):
+                if new > old:
+                    metric.inc(new - old)
+            self._prefix_seen = now
         tokens = 0
         for d in deltas:
             tokens += len(d.token_ids)

@@ -51,13 +51,16 @@ class FastDFlashProposer:
     reads_block_tables = False  # the draft attends over its own ring, not the target's pages
     observes_taps_only = True
 
-    def __init__(self, draft: FastDraft, num_slots: int, *, margin: int = RING_MARGIN, poison: bool = False):
+    def __init__(self, draft: FastDraft, num_slots: int, *, margin: int = RING_MARGIN, poison: bool = False,
+                 num_snapshots: int = 0, rebuild_group: int | None = None):
         cfg = draft.cfg
         self.draft, self.cfg = draft, cfg
         common = dict(margin=margin, dtype=draft.dtype, device=draft.device, poison=poison)
         self.ring = RingPool(num_slots, cfg.sliding_window, cfg.num_hidden_layers, cfg.num_key_value_heads,
                              cfg.head_dim, **common)
-        self.window = WindowPool(num_slots, cfg.sliding_window, cfg.hidden_size, **common)
+        self.window = WindowPool(num_slots, cfg.sliding_window, cfg.hidden_size, num_saved=num_snapshots, **common)
+        # ring rebuilds per call on a prefix-cache load: bounds the temporaries to the memory plan's workspace
+        self.rebuild_group = rebuild_group or num_slots
         p = "candidate_selector."
         # [r, C] in the draft dtype: the walk's g = h P^T runs in fp32, and project_triton converts P as it loads it
         # (exactly; the same g bit for bit as from an fp32 copy, and faster at the released shape, measured in
@@ -121,6 +124,17 @@ class FastDFlashProposer:
         return DraftProposal(walk.tokens, walk.cand_ids, walk.draft_probs)
 
     # -- prefix cache -----------------------------------------------------------------------------
+
+    def save_state(self, slots: Tensor, snapshots: Tensor) -> None:
+        """Snapshot the dflash_window of request ``slots`` into snapshot slots (the protocol's ``save_state``)."""
+        self.window.save(slots, snapshots)
+
+    def load_state(self, snapshots: Tensor, slots: Tensor, frontiers: Tensor) -> None:
+        """Restore windows from snapshot slots and rebuild each ring at its frontier, ``rebuild_group`` slots per
+        call (the protocol's ``load_state``)."""
+        self.window.load(snapshots, slots)
+        for start in range(0, slots.shape[0], self.rebuild_group):
+            self.restore(slots[start:start + self.rebuild_group], frontiers[start:start + self.rebuild_group])
 
     def copy_window(self, src_slots: Tensor, dst_slots: Tensor) -> None:
         """Snapshot or restore the dflash_window with the GDN state (call beside the GDN slot copy)."""

@@ -52,12 +52,14 @@ class FastMTPProposer:
     reads_block_tables = True
     observes_taps_only = False
 
-    def __init__(self, mtp: FastMTP, pools: CachePools):
+    def __init__(self, mtp: FastMTP, pools: CachePools, num_snapshots: int = 0):
         if pools.mtp is None:
             raise ValueError("the cache pools hold no MTP K/V (built with mtp=False)")
         self.mtp, self.pools = mtp, pools
         # the target hidden of each slot's last committed row (+ a trash row for padding sequences)
         self.pending = torch.zeros((pools.num_slots + 1, mtp.cfg.hidden_size), dtype=mtp.dtype, device=pools.device)
+        # prefix-cache snapshot slots of ``pending``: on a resume at b the first pair (h_{b-1}, t_b) needs h_{b-1}
+        self.saved_pending = torch.zeros((num_snapshots, mtp.cfg.hidden_size), dtype=mtp.dtype, device=pools.device)
 
     def observe(self, batch: ForwardBatch, out: FastOutput, num_committed: Tensor | None) -> None:
         """The target ran ``batch``; the first ``num_committed[b]`` rows of sequence b are committed (None: all, a
@@ -66,6 +68,14 @@ class FastMTPProposer:
 
     def slot_states(self) -> tuple:
         return ()
+
+    def save_state(self, slots: Tensor, snapshots: Tensor) -> None:
+        """Snapshot the pending rows of request ``slots`` (the protocol's ``save_state``)."""
+        self.saved_pending[snapshots] = self.pending[slots]
+
+    def load_state(self, snapshots: Tensor, slots: Tensor, frontiers: Tensor) -> None:
+        """Restore pending rows; the resumed prefill's first pair then rewrites the MTP row at frontier - 1."""
+        self.pending[slots] = self.saved_pending[snapshots]
 
     def observe_hidden(self, batch: ForwardBatch, target_hidden: Tensor, num_committed: Tensor | None) -> None:
         """:meth:`observe` from ``target_hidden [N, C]``."""

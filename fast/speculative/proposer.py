@@ -12,8 +12,12 @@ Every proposer (DFlash 2, MTP, yours) implements it directly; the engine's steps
    (:class:`DraftProposal`). Randomness comes from the keyed Philox uniforms of each request's seed
    (``st.seeds``), slot i's at (seed, s, SELECTOR, i).
 3. ``slot_states()``: the per-request state it keeps, indexed by the request's GDN state slot (DFlash: the
-   K/V ring and the dflash_window); the engine reports their use and, with a prefix cache, moves them with
-   the GDN state.
+   K/V ring and the dflash_window); the engine reports their use.
+4. ``save_state(slots, snapshots)`` / ``load_state(snapshots, slots, frontiers)``: the prefix cache's
+   snapshot of what it keeps per request beyond the paged K/V, beside the target's GDN state
+   (``fast/engine/snapshots.py``); a load leaves each request's state as a run that had computed the
+   prefix up to its frontier (the next position to run) would hold it: DFlash restores its
+   dflash_window and rebuilds the K/V ring from it, MTP its pending hidden row.
 
 Two declarations let a captured step run parts of the step early or beside the rest:
 
@@ -76,3 +80,9 @@ class Proposer(Protocol):
 
     def slot_states(self) -> Sequence[SlotState]:
         """The per-slot states this proposer keeps (empty: none)."""
+
+    def save_state(self, slots: Tensor, snapshots: Tensor) -> None:
+        """Copy the per-request state of ``slots [R]`` into prefix-cache snapshot slots ``snapshots [R]``."""
+
+    def load_state(self, snapshots: Tensor, slots: Tensor, frontiers: Tensor) -> None:
+        """Copy snapshot slots back into request ``slots [R]`` and rebuild what derives from them at ``frontiers``."""

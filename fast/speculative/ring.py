@@ -168,9 +168,13 @@ class WindowPool(_SlotRings):
     """The ``dflash_window`` slot state: context rows c_p per GDN state slot, ``rows [num_slots + 2, C, hidden]``."""
 
     def __init__(self, num_slots: int, window: int, hidden_size: int, *, margin: int = RING_MARGIN,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", poison: bool = False):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", poison: bool = False,
+                 num_saved: int = 0):
         super().__init__(num_slots, window, margin, device)
         self.rows = self._fresh((hidden_size,), dtype, poison)
+        # prefix-cache snapshot slots: whole windows (rows and tags) saved from request slots and loaded back
+        self.saved_rows = torch.zeros((num_saved, self.capacity, hidden_size), dtype=dtype, device=self.device)
+        self.saved_tags = torch.full((num_saved, self.capacity), NEVER_WRITTEN, dtype=torch.long, device=self.device)
 
     @staticmethod
     def bytes_per_slot(window: int, hidden_size: int, dtype: torch.dtype, margin: int = RING_MARGIN) -> int:
@@ -189,6 +193,16 @@ class WindowPool(_SlotRings):
         """Copy whole windows (rows and tags) slot to slot, as the GDN state is copied  # [R] each."""
         self.rows[dst_slots] = self.rows[src_slots]
         self.tags[dst_slots] = self.tags[src_slots]
+
+    def save(self, slots: Tensor, saved: Tensor) -> None:
+        """Snapshot the windows of request ``slots`` into snapshot slots ``saved``  # [R] each."""
+        self.saved_rows[saved] = self.rows[slots]
+        self.saved_tags[saved] = self.tags[slots]
+
+    def load(self, saved: Tensor, slots: Tensor) -> None:
+        """Restore snapshot slots ``saved`` into request ``slots``  # [R] each."""
+        self.rows[slots] = self.saved_rows[saved]
+        self.tags[slots] = self.saved_tags[saved]
 
     def read(self, slots: Tensor, frontiers: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The rows a ring rebuild at frontier f needs: positions f-W+1 .. f-1 of each slot.

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dflash2.fast.engine.config import ENGINE_FLAGS, EngineConfig, add_engine_args, engine_config_from_args
-from dflash2.fast.engine.memory import dflash_slot_bytes, dflash_workspace_bytes, log_plan, plan_memory
+from dflash2.fast.engine.memory import (dflash_slot_bytes, dflash_workspace_bytes, log_plan, plan_memory,
+                                       rebuild_group)
 from dflash2.fast.model.pools import CachePools, gdn_bytes_per_slot, kv_bytes_per_token
 from dflash2.fast.speculative.ring import RingPool, WindowPool
 from dflash2.reference.formats.draft_config import parse_draft_config
@@ -107,9 +108,11 @@ def test_byte_counts_equal_the_allocated_pools(caplog):
     assert "DFlash draft per slot" in caplog.text and "dflash_window" in caplog.text
 
 
-def test_the_draft_workspace_covers_a_prefill_chunk_and_a_full_ring_rebuild():
+@pytest.mark.parametrize("rows, expected_group", [(37, 1), (100, 2), (200, 3)])  # W - 1 = 39 rows a ring, 3 slots
+def test_the_draft_workspace_covers_a_prefill_chunk_and_a_group_of_ring_rebuilds(rows, expected_group):
     """The plan sets aside what the draft's own temporaries take: the tapped features, context rows and
-    context K/V of a whole prefill chunk, or a rebuild of every slot's ring (the tensors, as allocated)."""
+    context K/V of a whole prefill chunk, or one group of ring rebuilds (the tensors, as allocated): as many
+    rings as a chunk's rows cover, at least one, so the workspace does not grow with the slots."""
     from dflash2.fast.model.draft import FastDraft
     from dflash2.reference.tiny.dummy import dummy_draft_weights
 
@@ -117,13 +120,15 @@ def test_the_draft_workspace_covers_a_prefill_chunk_and_a_full_ring_rebuild():
     draft_cfg = parse_draft_config(tiny_draft_config(cfg, sliding_window=40), cfg)
     embed = torch.zeros(cfg.vocab_size, cfg.hidden_size)
     draft = FastDraft(draft_cfg, dummy_draft_weights(draft_cfg, dtype=torch.float32), embed, embed, torch.float32, "cpu")
-    rows, slots = 37, 3
+    slots = 3
+    group = min(slots, rebuild_group(draft_cfg, rows))
+    assert group == expected_group
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     features = torch.randn(rows, draft_cfg.num_taps * cfg.hidden_size)
     context = draft.context_rows(features)
     k, v = draft.context_kv(context, torch.arange(rows))
     prefill = nbytes(features, context, k, v)
-    window_rows = torch.randn(slots * (draft_cfg.sliding_window - 1), cfg.hidden_size)
+    window_rows = torch.randn(group * (draft_cfg.sliding_window - 1), cfg.hidden_size)
     rk, rv = draft.context_kv(window_rows, torch.arange(window_rows.shape[0]))
     rebuild = nbytes(window_rows, rk, rv)
     workspace = dflash_workspace_bytes(draft_cfg, torch.float32, max_num_batched_tokens=rows, num_slots=slots)

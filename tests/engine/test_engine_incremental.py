@@ -94,6 +94,8 @@ def test_abort_frees_what_a_finish_frees_at_every_stage(tiny):
     for _ in range(3):
         engine.step()
     assert [engine.abort(rid).finish_reason for rid in (waiting[1], waiting[3])] == ["abort", "abort"]
+    assert engine.pool_usage().without_cache() == idle.without_cache()  # the finishes left snapshots
+    engine.clear_prefix_cache()
     assert engine.pool_usage() == idle
     # a later request is unaffected by what the aborted ones left in their pages, slots and rings
     assert engine.generate([PROMPTS[2]], [params(0)])[0].token_ids == reference

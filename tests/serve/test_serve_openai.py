@@ -191,7 +191,7 @@ def test_one_hundred_disconnects_leak_nothing(spec):
 
     with ThreadPoolExecutor(10) as pool:
         list(pool.map(disconnect, range(100)))
-    assert spec.settle() == idle
+    assert spec.settle().without_cache() == idle.without_cache()  # finished requests may have left snapshots
     after = spec.metrics()
     aborted = after['dflash2_request_finished_total{finish_reason="abort"}'] - \
         before['dflash2_request_finished_total{finish_reason="abort"}']
@@ -222,7 +222,7 @@ def test_the_metrics_move(spec):
     assert moved('dflash2_spec_decode_num_accepted_tokens_per_pos_total{position="1"}') <= steps
     for gauge in ("dflash2_num_requests_running", "dflash2_num_requests_waiting", "dflash2_kv_pages_free"):
         assert gauge in after
-    assert after["dflash2_kv_pages_free"] == after["dflash2_kv_pages_total"]
+    assert after["dflash2_kv_pages_free"] + after["dflash2_prefix_cache_pages"] == after["dflash2_kv_pages_total"]
 
 
 def test_health_answers_during_a_long_step(spec, monkeypatch):
