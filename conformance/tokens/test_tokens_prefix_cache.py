@@ -1,0 +1,141 @@
+"""The prefix cache (fast/engine/prefix_cache.py) against runs that computed everything: a resumed request is
+the request that never stopped.
+
+For plain decoding, MTP and DFlash on the tiny dense and MoE targets (fp32, CPU), with snapshots every 16 tokens:
+
+- a hit on a snapshot made during prefill (at a chunk boundary): the same greedy tokens, the same tokens per
+  verify step and the first draft block after the hit identical bit for bit (tokens, candidates and q) to a cold
+  engine's run of the same prompt, which prefilled the same chunks; sampled requests (T = 1, seeded, fixed
+  depth) draw the same tokens;
+- a hit on a snapshot made at a finish (a chat's second turn resumes after the whole first one): the greedy
+  tokens of an engine restarted in between (cold cache); with DFlash the ring rebuilt from the dflash_window
+  equals, bit for bit, the ring the first turn wrote step by step;
+- usage: ``cached_tokens`` is the hit's length; with ``prefix_caching=False`` nothing is cached; every page and
+  slot is accounted for after each step, and clearing the cache leaves the pools as at startup; a cache too
+  small for the workload evicts least recently used snapshots and still gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash2.fast.engine.config import EngineConfig
+from dflash2.fast.engine.engine import Engine
+from dflash2.reference.request.sampling_params import SamplingParams
+
+INTERVAL = 16  # tokens between prefill snapshots (the page size)
+CASES = [(preset, algorithm) for preset in ("tiny-dense", "tiny-moe") for algorithm in ("none", "mtp", "dflash")]
+FIRST = [(7 * i + 3) % 200 + 1 for i in range(40)]  # a 40-token first prompt: snapshots at 16 and 32
+
+
+def engine_for(tiny, preset: str, algorithm: str, **kw) -> Engine:
+    t = tiny(preset)
+    kw = dict(dict(speculative_depth="fixed", snapshot_interval=INTERVAL, max_running_req=4), **kw)
+    return Engine(EngineConfig(model_path=str(t.target), speculative_algorithm=algorithm, device="cpu",
+                               dtype="float32", cpu_cache_bytes=16 << 20,
+                               speculative_draft_model_path=str(t.draft) if algorithm == "dflash" else None, **kw),
+                  trace=True)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def run(engine: Engine, prompt: list[int], params: SamplingParams):
+    out = engine.generate([prompt], [params])[0]
+    assert out.error is None, out.error
+    engine.pool_usage()  # raises on a page or slot leak
+    return out
+
+
+@pytest.mark.parametrize("preset, algorithm", CASES)
+def test_a_hit_on_a_prefill_snapshot_is_the_cold_run(tiny, preset, algorithm):
+    warm = engine_for(tiny, preset, algorithm)
+    run(warm, FIRST, greedy(8))
+    assert warm.pool_usage().snapshots >= 2  # the boundaries at 16 and 32 (and the finish)
+    second = FIRST[:35] + [9, 8, 7, 6, 5]  # shares 35 tokens: resumes at the 32-token boundary
+    hit = run(warm, second, greedy(24))
+    cold = run(engine_for(tiny, preset, algorithm), second, greedy(24))
+    assert hit.cached_tokens == 32 and cold.cached_tokens == 0
+    assert hit.token_ids == cold.token_ids
+    assert (hit.verify_steps, hit.num_emitted) == (cold.verify_steps, cold.num_emitted)
+    if algorithm != "none":
+        first_hit, first_cold = hit.steps[0], cold.steps[0]
+        assert first_hit.anchor_position == first_cold.anchor_position == len(second)
+        assert first_hit.draft_tokens == first_cold.draft_tokens
+        assert first_hit.cand_ids == first_cold.cand_ids
+        assert first_hit.draft_probs == first_cold.draft_probs  # floats compared exactly
+        assert [s.emitted for s in hit.steps] == [s.emitted for s in cold.steps]
+
+
+@pytest.mark.parametrize("algorithm", ["mtp", "dflash"])
+def test_sampled_requests_resume_with_the_same_draws(tiny, algorithm):
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
+    warm = engine_for(tiny, "tiny-dense", algorithm)
+    run(warm, FIRST, greedy(4))
+    second = FIRST[:33] + [1, 2, 3]
+    hit = run(warm, second, params)
+    cold = run(engine_for(tiny, "tiny-dense", algorithm), second, params)
+    assert hit.cached_tokens == 32 and hit.token_ids == cold.token_ids
+
+
+@pytest.mark.parametrize("preset, algorithm", CASES)
+def test_the_second_turn_resumes_after_the_first_one(tiny, preset, algorithm):
+    warm = engine_for(tiny, preset, algorithm)
+    first = run(warm, FIRST, greedy(20))
+    slot_of_first = 0  # one request at a time: it ran in slot 0
+    live_ring = None
+    proposer = warm.model.proposer
+    if algorithm == "dflash":
+        live_ring = proposer.ring.k[:, slot_of_first].clone(), proposer.ring.v[:, slot_of_first].clone()
+    history = FIRST + first.token_ids
+    second = history + [4, 4, 2]
+    frontier = len(history) - 1  # the last output token is the anchor: not yet through the target
+    resumed = warm.add_request(second, greedy(16))
+    deltas = warm.step()  # the prefill step: restore at the frontier, then the 4 tokens past it
+    if algorithm == "dflash":  # ring rows of positions frontier-W+1 .. frontier-1, rebuilt from the window
+        slot = warm.scheduler.running[0].slot
+        positions = torch.arange(max(0, frontier - proposer.cfg.sliding_window + 1), frontier)
+        rows = positions % proposer.ring.capacity
+        assert torch.equal(proposer.ring.k[:, slot][:, rows], live_ring[0][:, rows])
+        assert torch.equal(proposer.ring.v[:, slot][:, rows], live_ring[1][:, rows])
+    tokens = []
+    while deltas:
+        tokens += [t for d in deltas if d.request_id == resumed for t in d.token_ids]
+        deltas = warm.step()
+    restarted = engine_for(tiny, preset, algorithm)  # the same conversation after a restart: a cold cache
+    cold = run(restarted, second, greedy(16))
+    assert warm.prefix_cache.stats.hits == frontier
+    assert tokens == cold.token_ids
+
+
+def test_cached_tokens_and_no_prefix_caching(tiny):
+    off = engine_for(tiny, "tiny-dense", "dflash", prefix_caching=False)
+    assert off.prefix_cache is None and off.model.snapshots is None
+    idle = off.pool_usage()
+    run(off, FIRST, greedy(4))
+    again = run(off, FIRST + [1, 2], greedy(4))
+    assert again.cached_tokens == 0 and off.pool_usage() == idle
+    on = engine_for(tiny, "tiny-dense", "dflash")
+    idle = on.pool_usage()
+    run(on, FIRST, greedy(4))
+    hit = run(on, FIRST + [1, 2], greedy(4))
+    assert hit.cached_tokens == 32  # the last boundary within the shared 40 tokens
+    assert on.prefix_cache.stats.queries == 2 * len(FIRST) + 2 and on.prefix_cache.stats.hits == 32
+    assert on.pool_usage().idle and on.pool_usage() != idle
+    on.clear_prefix_cache()
+    assert on.pool_usage() == idle
+
+
+@pytest.mark.parametrize("algorithm", ["none", "dflash"])
+def test_a_small_cache_evicts_the_least_recently_used_and_keeps_the_tokens(tiny, algorithm):
+    small = engine_for(tiny, "tiny-dense", algorithm, prefix_snapshots=2)
+    big = engine_for(tiny, "tiny-dense", algorithm, prefix_caching=False)
+    prompts = [FIRST, [3] * 20 + FIRST, FIRST[:34] + [2, 2], [3] * 20 + FIRST[:20] + [8]]
+    for prompt in prompts:
+        assert run(small, prompt, greedy(6)).token_ids == run(big, prompt, greedy(6)).token_ids
+        assert small.pool_usage().snapshots <= 2
+    assert small.prefix_cache.stats.evictions > 0
+    small.clear_prefix_cache()
+    assert small.pool_usage().idle and small.pool_usage().cached_pages == 0
