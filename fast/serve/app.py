@@ -364,7 +364,7 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
                 choice["token_ids"] = tokens
             choices.append(choice)
         out = {"id": rid, "object": "chat.completion", "created": created, "model": settings.served_model_name,
-               "choices": choices, "usage": _usage(len(ids), completion_tokens)}
+               "choices": choices, "usage": _usage(len(ids), completion_tokens, results[0][-1].cached_tokens)}
         if body.return_token_ids:
             out["prompt_token_ids"] = ids
         return JSONResponse(out)
@@ -396,7 +396,8 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
             choices.append(choice)
         return JSONResponse({"id": rid, "object": "text_completion", "created": created,
                              "model": settings.served_model_name, "choices": choices,
-                             "usage": _usage(sum(len(x) for x in prompts), completion_tokens)})
+                             "usage": _usage(sum(len(x) for x in prompts), completion_tokens,
+                                             sum(results[i][-1].cached_tokens for i in range(0, len(results), body.n)))})
 
     return app
 
@@ -410,9 +411,11 @@ def _finished(server: Server, deltas: list) -> tuple:
     return last, [t for d in deltas for t in d.token_ids]
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; ``cached_tokens``: prompt tokens restored from the prefix cache (once per prompt)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 async def _stream(server: Server, body, group: RequestGroup, num_prompt_tokens: int, rid: str, created: int,
@@ -424,6 +427,7 @@ async def _stream(server: Server, body, group: RequestGroup, num_prompt_tokens: 
     decode = server.engine.decode if server.tokenizer else None
     texts: dict[int, IncrementalText] = {}
     completion_tokens = 0
+    cached: dict[int, int] = {}  # member index -> its prompt tokens restored from the prefix cache
 
     def payload(choices: list, usage=None) -> str:
         out = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
@@ -436,6 +440,7 @@ async def _stream(server: Server, body, group: RequestGroup, num_prompt_tokens: 
             yield payload([choice])
         async for index, delta in group.deltas():
             completion_tokens += len(delta.token_ids)
+            cached[index] = delta.cached_tokens
             if delta.finished and delta.finish_reason not in ("stop", "length"):
                 yield event(server.internal_error(delta).body())
                 break
@@ -446,7 +451,9 @@ async def _stream(server: Server, body, group: RequestGroup, num_prompt_tokens: 
                 yield payload([choice_of(index, delta, text)])
         else:
             if body.include_usage:
-                yield payload([], _usage(num_prompt_tokens, completion_tokens))
+                # members i * n .. i * n + n - 1 share prompt i: count its cached tokens once
+                yield payload([], _usage(num_prompt_tokens, completion_tokens,
+                                         sum(n for i, n in cached.items() if i % body.n == 0)))
         yield DONE
     finally:
         group.abort()

@@ -309,10 +309,15 @@ class ErrorResponse(_Response):
     error: ErrorInfo
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(_Response):

@@ -285,3 +285,26 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(spec, monkeypa
     again = spec.client().completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=8, temperature=0,
                                              extra_body={"ignore_eos": True})
     assert again.choices[0].finish_reason == "length" and spec.http().get("/health").status_code == 200
+
+
+def test_a_second_turn_reports_its_cached_tokens(spec):
+    """The prefix cache under the server: a request that extends a finished one resumes after its history, and
+    says so in ``usage.prompt_tokens_details.cached_tokens`` (streamed and not) and in the prefix-cache counters."""
+    http = spec.http()
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    first = http.post("/v1/completions", json={**body, "prompt": PROMPT_IDS * 3}).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    history = PROMPT_IDS * 3 + first["choices"][0]["token_ids"]
+    before = spec.metrics()
+    second = http.post("/v1/completions", json={**body, "prompt": history + [7, 8]}).json()
+    frontier = len(history) - 1  # the first request's last token never went through the target
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": frontier}
+    after = spec.metrics()
+    assert after["dflash2_prefix_cache_hits_total"] - before.get("dflash2_prefix_cache_hits_total", 0) == frontier
+    assert after["dflash2_prefix_cache_queries_total"] - before.get("dflash2_prefix_cache_queries_total", 0) == \
+        len(history) + 2
+    third = history + [7, 8] + second["choices"][0]["token_ids"] + [9]
+    stream = spec.client().completions.create(model=MODEL, prompt=third, max_tokens=3, temperature=0, stream=True,
+                                              stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert usage[-1].prompt_tokens_details.cached_tokens == len(third) - 2  # after the second turn's last token
