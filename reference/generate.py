@@ -5,6 +5,11 @@ a time. The token at position p is argmax(logits_{p-1}) when greedy, else the in
 the filtered distribution p_{p-1} (``reference/speculative/sampling.py``) with the uniform
 ``rng.uniform(seed, p, Purpose.SAMPLE)``. Generation ends after ``max_tokens`` tokens, at a stop
 id (unless ``ignore_eos``), or at a stop string (the text is cut before it).
+
+With a prefix-cache ``store`` (``reference/speculative/prefix.py``) the request starts from the
+longest snapshot that begins its prompt, prefills in chunks ending at multiples of
+``snapshot_interval`` (a snapshot at each) and leaves one at its last committed position: the
+prompt and every output token but the last, which never ran through the target.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from .formats.errors import RequestError
 from .request.rng import Purpose, uniform
+from .speculative.prefix import PrefixStore, prefill, restore_longest, take_snapshot
 from .speculative.sampling import greedy_token, sample_from_probs, target_probs
 from .request.sampling_params import SamplingParams
 from .request.stopping import Stopper, timing
@@ -59,14 +65,18 @@ def generate(
     params: SamplingParams,
     stop_token_ids: Sequence[int] = (),
     decode: Callable[[list[int]], str] | None = None,
+    snapshot_interval: int | None = None,
+    store: PrefixStore | None = None,
 ) -> GenerationResult:
-    """Decode one request token by token. ``decode`` turns ids into text (needed for stop strings)."""
+    """Decode one request token by token. ``decode`` turns ids into text (needed for stop strings);
+    ``snapshot_interval`` and ``store``: the prefix cache (the module docstring)."""
     cfg = target.cfg
     check_prompt(prompt_ids, params, cfg.vocab_size, cfg.max_position_embeddings)
     stopper = Stopper(params, stop_token_ids, decode)
-    cache = target.new_cache()
     start = time.perf_counter()
-    logits = target.forward(torch.tensor(list(prompt_ids)), cache).logits[-1]
+    prompt = list(prompt_ids)
+    cache = restore_longest(target, None, prompt, store)
+    logits = prefill(target, None, prompt, cache, snapshot_interval, store).logits[-1]
     prefill_end = time.perf_counter()
     out: list[int] = []
     while True:
@@ -75,5 +85,7 @@ def generate(
         if finish is not None:
             break
         logits = target.forward(torch.tensor([out[-1]]), cache).logits[-1]
+    if store is not None:
+        store.put(take_snapshot(prompt + out[:-1], cache, None))
     return GenerationResult(list(prompt_ids), out, finish, stopper.final_text(out),
                             timing(start, prefill_end, time.perf_counter(), len(out)))

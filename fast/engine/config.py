@@ -57,9 +57,11 @@ class EngineConfig:
     pdl: bool = True  # Hopper+: the draft's and the MoE's kernels launch with programmatic dependent launch
     l2_prefetch: bool = True  # Hopper+: tuned GEMMs prefetch their weight slice into L2 before their PDL wait
     # prefix caching (engine/prefix_cache.py): prompts resume from snapshots of earlier requests' state, taken every
-    # snapshot_interval prompt tokens (a multiple of page_size) and at each finish; --no-prefix-caching turns it off
+    # snapshot_interval prompt tokens (a multiple of page_size; a prefill chunk ends there) and at each finish;
+    # None: max_num_batched_tokens rounded down to a page, so a lone prompt's chunks are not split further (each chunk
+    # reads every weight once: more chunks cost weight traffic, the MoE's most); --no-prefix-caching turns it off
     prefix_caching: bool = True
-    snapshot_interval: int = 512
+    snapshot_interval: int | None = None
     prefix_snapshots: int | None = None  # snapshot slots (GDN state + the proposer's); None: up to 4 per request slot
 
     def __post_init__(self) -> None:
@@ -110,9 +112,9 @@ class EngineConfig:
                "an integer in [0, 2^63)")
         expect(self.load_format in LOAD_FORMATS, ConfigError, "load_format", self.load_format,
                f"one of {LOAD_FORMATS}")
-        expect(is_int(self.snapshot_interval) and self.snapshot_interval >= self.page_size
-               and self.snapshot_interval % self.page_size == 0, ConfigError, "snapshot_interval",
-               self.snapshot_interval, f"a positive multiple of page_size ({self.page_size})")
+        expect(self.snapshot_interval is None or (is_int(self.snapshot_interval) and self.snapshot_interval >=
+               self.page_size and self.snapshot_interval % self.page_size == 0), ConfigError, "snapshot_interval",
+               self.snapshot_interval, f"None or a positive multiple of page_size ({self.page_size})")
         expect(self.prefix_snapshots is None or (is_int(self.prefix_snapshots) and self.prefix_snapshots >= 1),
                ConfigError, "prefix_snapshots", self.prefix_snapshots,
                "None (automatic) or an integer >= 1 (turn the cache off with prefix_caching=False)")
@@ -139,6 +141,13 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         expect(self.dtype in DTYPES, ConfigError, "dtype", self.dtype, "resolved (call resolved() first)")
         return DTYPES[self.dtype]
+
+    @property
+    def prefix_snapshot_interval(self) -> int:
+        """Tokens between prefill snapshots: ``snapshot_interval``, or max_num_batched_tokens rounded down to a page."""
+        if self.snapshot_interval is not None:
+            return self.snapshot_interval
+        return max(self.page_size, self.max_num_batched_tokens // self.page_size * self.page_size)
 
     @property
     def speculative(self) -> bool:

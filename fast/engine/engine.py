@@ -177,7 +177,7 @@ class Engine:
         if self.model.snapshots is not None:
             prefix = functools.partial(PrefixCache, page_size=cfg.page_size,
                                        num_slots=self.model.snapshots.num_snapshots,
-                                       snapshot_interval=cfg.snapshot_interval,
+                                       snapshot_interval=cfg.prefix_snapshot_interval,
                                        rewrites_last_row=cfg.speculative_algorithm == "mtp")
         return Scheduler(max_running_req=cfg.max_running_req, max_num_batched_tokens=cfg.max_num_batched_tokens,
                          page_size=cfg.page_size, num_pages=self.model.memory.num_pages,

@@ -16,6 +16,11 @@ One step, anchor t0 at position s:
 5. ``proposer.observe`` sees all k+1 rows with ``num_committed = a + 1``; the last emitted
    token becomes the next anchor at s + a + 1.
 
+Prefix cache (``reference/speculative/prefix.py``): with a store, the request starts from the
+longest snapshot that begins its prompt, prefills the rest in chunks ending at multiples of
+``snapshot_interval`` (a snapshot at each), and leaves a snapshot of its committed state (the
+tokens before the last anchor) when it finishes.
+
 Plain decoding (``algorithm = "none"``) is ``reference/generate.py``. A step with no drafts emits
 one token with the same law as plain decoding, and the same token when greedy; a sampled one is
 drawn with the key (seed, s, BONUS, 0) instead of plain decoding's (seed, s+1, SAMPLE, 0).
@@ -30,6 +35,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..generate import GenerationResult, check_prompt, next_token
+from .prefix import PrefixStore, prefill, restore_longest, take_snapshot
 from .proposer import Proposal, Proposer
 from .sampling import greedy_token, target_probs
 from ..request.sampling_params import SamplingParams
@@ -74,17 +80,23 @@ def speculative_generate(
     k: int,
     stop_token_ids: Sequence[int] = (),
     decode: Callable[[list[int]], str] | None = None,
+    snapshot_interval: int | None = None,
+    store: PrefixStore | None = None,
 ) -> SpeculativeResult:
-    """Decode one request speculatively with k drafts per verify (fewer near the request's end: k_step)."""
+    """Decode one request speculatively with k drafts per verify (fewer near the request's end: k_step).
+
+    ``snapshot_interval``: prefill in chunks ending at its multiples; ``store``: the prefix cache to
+    start from and to leave snapshots in (the module docstring). Neither: one prefill forward.
+    """
     cfg = target.cfg
     check_prompt(prompt_ids, params, cfg.vocab_size, cfg.max_position_embeddings)
     stopper = Stopper(params, stop_token_ids, decode)
     start = time.perf_counter()
-    cache = target.new_cache()
     prompt = list(prompt_ids)
-    out = target.forward(torch.tensor(prompt), cache)
-    proposer.observe(prompt, 0, out, len(prompt))
+    cache = restore_longest(target, proposer, prompt, store)
+    out = prefill(target, proposer, prompt, cache, snapshot_interval, store)
     anchor, position = next_token(out.logits[-1], params, len(prompt)), len(prompt)
+    committed = list(prompt)  # the tokens at positions 0 .. position-1, all through the target
     prefill_end = time.perf_counter()
     output, finish = stopper.check([anchor])
     steps: list[StepRecord] = []
@@ -99,6 +111,10 @@ def speculative_generate(
                                 proposal.draft_probs.tolist(), [greedy_token(r) for r in rows.logits],
                                 num_accepted, emitted))
         output, finish = stopper.check(output + emitted)
+        # the cache holds t0 and the kept drafts (a stop id among them may have cut ``output`` short)
+        committed += [anchor] + emitted[:-1]
         anchor, position = emitted[-1], position + num_accepted + 1
+    if store is not None:
+        store.put(take_snapshot(committed, cache, proposer))
     return SpeculativeResult(prompt, output, finish, stopper.final_text(output),
                              timing(start, prefill_end, time.perf_counter(), len(output)), steps)

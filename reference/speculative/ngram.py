@@ -37,3 +37,9 @@ class NgramProposer(Proposer):
                     follow = context[start + n:start + n + k]
                     return Proposal.deterministic(follow)
         return Proposal.deterministic([])
+
+    def snapshot(self, frontier: int) -> tuple[int, ...]:
+        return tuple(self.history[:frontier])  # the committed tokens 0 .. f-1
+
+    def restore(self, state: object) -> None:
+        self.history = list(state)
