@@ -186,3 +186,26 @@ def test_overlap_scheduling_gives_the_synchronous_tokens(stack, algorithm):
         launched = llm.engine.runner.step_graphs.launched_ahead
         assert (launched > 0) == overlap, f"{name} {algorithm}: {launched} steps launched ahead"
     assert outputs[True] == outputs[False], f"{name} {algorithm}: overlap scheduling changed the tokens"
+
+
+@pytest.mark.parametrize("algorithm", ["none", "mtp", "dflash"])
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_a_prefix_cache_hit_gives_the_cold_runs_tokens(stack, algorithm, enforce_eager):
+    """The prefix cache on CUDA (fast/engine/prefix_cache.py), with and without graphs: a prompt resuming from a
+    prefill snapshot, and a second turn resuming after the first one's finish, give a cold engine's tokens; the
+    first draft block after a prefill-snapshot hit is the cold run's bit for bit (the same chunks computed it)."""
+    name, target_dir, draft_dir = stack
+    kwargs = dict(dtype=torch.float32, device="cuda", max_running_req=3, speculative_algorithm=algorithm,
+                  speculative_depth="fixed", snapshot_interval=16, enforce_eager=enforce_eager,
+                  speculative_draft_model_path=draft_dir if algorithm == "dflash" else None)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    first = [(7 * i + 3) % 200 + 1 for i in range(40)]
+    warm = LLM(target_dir, **kwargs)
+    out = warm.generate([first], params)[0]
+    boundary_hit = first[:35] + [9, 8, 7]
+    turn_two = first + out.token_ids + [4, 4, 2]
+    hits = [warm.generate([p], params)[0] for p in (boundary_hit, turn_two)]  # one at a time, as the cold runs
+    assert [h.cached_tokens for h in hits] == [32, len(first) + len(out.token_ids) - 1]
+    cold = [LLM(target_dir, **kwargs).generate([p], params)[0] for p in (boundary_hit, turn_two)]
+    for h, c in zip(hits, cold):
+        assert h.token_ids == c.token_ids, f"{name} {algorithm}: a hit and a cold run differ"

@@ -55,7 +55,9 @@ def summary(engine, name: str) -> str:
     return (f"serving {name!r}: model {cfg.model_path}, algorithm {cfg.speculative_algorithm}, "
             f"k {engine.model.k}, KV {plan.kv_tokens} tokens ({plan.num_pages} pages of {plan.page_size}), "
             f"draft memory {draft:.1f} MiB, device {cfg.device}, dtype {cfg.dtype}, "
-            f"{cfg.max_running_req} running requests at most, max_model_len {engine.max_model_len}")
+            f"{cfg.max_running_req} running requests at most, max_model_len {engine.max_model_len}, "
+            + (f"prefix cache {plan.num_snapshots} snapshot slots ({plan.num_snapshots * plan.snapshot_bytes / MiB:.1f} "
+               f"MiB) every {cfg.prefix_snapshot_interval} tokens" if plan.num_snapshots else "no prefix cache"))
 
 
 def run_serve(config: EngineConfig, settings: ServeSettings, *, model_given: str | None = None) -> int:
