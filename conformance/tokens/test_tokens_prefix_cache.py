@@ -9,7 +9,8 @@ For plain decoding, MTP and DFlash on the tiny dense and MoE targets (fp32, CPU)
   depth) draw the same tokens;
 - a hit on a snapshot made at a finish (a chat's second turn resumes after the whole first one): the greedy
   tokens of an engine restarted in between (cold cache); with DFlash the ring rebuilt from the dflash_window
-  equals, bit for bit, the ring the first turn wrote step by step;
+  equals, bit for bit, the ring the first turn wrote step by step, and before every later step the ring and
+  window audits (their position tags) find no stale, rejected or unwritten row among those the block reads;
 - usage: ``cached_tokens`` is the hit's length; with ``prefix_caching=False`` nothing is cached; every page and
   slot is accounted for after each step, and clearing the cache leaves the pools as at startup; a cache too
   small for the workload evicts least recently used snapshots and still gives the same tokens.
@@ -103,6 +104,11 @@ def test_the_second_turn_resumes_after_the_first_one(tiny, preset, algorithm):
     tokens = []
     while deltas:
         tokens += [t for d in deltas if d.request_id == resumed for t in d.token_ids]
+        for req in warm.scheduler.running:  # the audit: every row the next block reads holds its own position
+            if algorithm == "dflash":
+                anchor = torch.tensor([req.anchor_position])
+                proposer.ring.check_readable(torch.tensor([req.slot]), anchor)
+                proposer.window.check_readable(torch.tensor([req.slot]), anchor)
         deltas = warm.step()
     restarted = engine_for(tiny, preset, algorithm)  # the same conversation after a restart: a cold cache
     cold = run(restarted, second, greedy(16))
