@@ -143,6 +143,7 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=i,
                              ignore_eos=True) for i in range(concurrency)]
     llm.generate(prompts, params)  # warm-up: the same shapes, so graphs and kernels are ready
+    engine.clear_prefix_cache()  # the timed run prefills its prompts, as the warm-up did (no hits on its snapshots)
     if simulated is not None:
         simulated.schedule.restart()  # the same acceptance again, hence the same shapes
     clock.reset()
