@@ -59,6 +59,7 @@ speculative/  proposing and verifying (twins: fast/speculative/, fast/kernels/)
     ngram              prompt lookup as a proposer (the worked example of writing-a-proposer)
     verify             greedy prefix match and sparse-q rejection, with untrusted-row handling
     loop               the loop for one request: propose, verify, GDN rollback by replay, observe
+    prefix             prefix-cache semantics: snapshots of the whole speculative state, restores, the store
 
 generate               plain decoding, the baseline; prompt checks and the first token
 runner                 a checkpoint folder to decoding: what ``ft generate --engine reference`` runs

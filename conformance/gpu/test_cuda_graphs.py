@@ -209,3 +209,22 @@ def test_a_prefix_cache_hit_gives_the_cold_runs_tokens(stack, algorithm, enforce
     cold = [LLM(target_dir, **kwargs).generate([p], params)[0] for p in (boundary_hit, turn_two)]
     for h, c in zip(hits, cold):
         assert h.token_ids == c.token_ids, f"{name} {algorithm}: a hit and a cold run differ"
+
+
+@pytest.mark.parametrize("algorithm", ["mtp", "dflash"])
+def test_a_hit_after_2400_decoded_tokens(stack, algorithm):
+    """A finish snapshot after 2,400 decoded tokens (rings and windows wrapped many times), CUDA graphs on: the
+    next turn resumes after all of it and gives a cold engine's tokens."""
+    name, target_dir, draft_dir = stack
+    kwargs = dict(dtype=torch.float32, device="cuda", max_running_req=2, speculative_algorithm=algorithm,
+                  speculative_depth="fixed", max_model_len=2600,
+                  speculative_draft_model_path=draft_dir if algorithm == "dflash" else None)
+    greedy = SamplingParams(max_tokens=2400, temperature=0.0, ignore_eos=True)
+    warm = LLM(target_dir, **kwargs)
+    first = [3, 1, 4, 1, 5, 9, 2, 6]
+    out = warm.generate([first], greedy)[0]
+    second = first + out.token_ids + [7, 7]
+    short = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    hit = warm.generate([second], short)[0]
+    assert hit.cached_tokens == len(first) + 2400 - 1
+    assert hit.token_ids == LLM(target_dir, **kwargs).generate([second], short)[0].token_ids, f"{name} {algorithm}"

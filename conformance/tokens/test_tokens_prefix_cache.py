@@ -145,3 +145,18 @@ def test_a_small_cache_evicts_the_least_recently_used_and_keeps_the_tokens(tiny,
     assert small.prefix_cache.stats.evictions > 0
     small.clear_prefix_cache()
     assert small.pool_usage().idle and small.pool_usage().cached_pages == 0
+
+
+@pytest.mark.parametrize("algorithm", ["mtp", "dflash"])
+def test_a_hit_after_hundreds_of_decoded_tokens(tiny, algorithm):
+    """A finish snapshot after 400 decoded tokens (the tiny draft's ring and window have wrapped several times; the
+    issue's 2,400 run in the GPU lane, conformance/gpu/test_cuda_graphs.py, as 2,400 take a minute on two CPU
+    cores): the next turn resumes after all of it and decodes what a restarted engine decodes."""
+    decoded = 400
+    warm = engine_for(tiny, "tiny-dense", algorithm, max_model_len=600)
+    first = run(warm, FIRST[:8], greedy(decoded))
+    second = FIRST[:8] + first.token_ids + [3, 1]
+    hit = run(warm, second, greedy(12))
+    assert hit.cached_tokens == 8 + decoded - 1
+    assert hit.token_ids == run(engine_for(tiny, "tiny-dense", algorithm, max_model_len=600), second,
+                                greedy(12)).token_ids
