@@ -160,3 +160,20 @@ def test_a_hit_after_hundreds_of_decoded_tokens(tiny, algorithm):
     assert hit.cached_tokens == 8 + decoded - 1
     assert hit.token_ids == run(engine_for(tiny, "tiny-dense", algorithm, max_model_len=600), second,
                                 greedy(12)).token_ids
+
+
+@pytest.mark.parametrize("algorithm", ["mtp", "dflash"])
+def test_many_hits_in_one_step_restore_in_groups(tiny, algorithm):
+    """Three requests admitted in one step, each resuming from a snapshot: with a 32-row prefill budget the DFlash
+    rings are rebuilt one per call (``rebuild_group``: the restore's temporaries stay within the workspace), and
+    every request gets its cold run's tokens."""
+    warm = engine_for(tiny, "tiny-dense", algorithm, max_num_batched_tokens=32)
+    if algorithm == "dflash":
+        assert warm.model.proposer.rebuild_group == 1
+    run(warm, FIRST, greedy(6))
+    prompts = [FIRST[:33] + [i + 1, 5] for i in range(3)]
+    hits = warm.generate(prompts, [greedy(10)] * 3)
+    assert [h.cached_tokens for h in hits] == [32] * 3
+    for prompt, hit in zip(prompts, hits):
+        cold = run(engine_for(tiny, "tiny-dense", algorithm, max_num_batched_tokens=32), prompt, greedy(10))
+        assert hit.token_ids == cold.token_ids
