@@ -50,13 +50,24 @@ def warm_up(engine: Engine) -> dict:
     # an adaptive depth runs each of its depths: both waves at the deepest, a greedy wave at each other one
     plan = [(engine.k if policy else None, wave) for wave in waves]
     plan += [(depth, waves[0]) for depth in (policy.depths[:-1] if policy else ())]
+    outs = []
     for depth, wave in plan:
         if depth is not None:
             engine.scheduler.depth = lambda num_seqs, depth=depth: depth
-        for out in engine.generate(prompts, wave):
+        outs = engine.generate(prompts, wave)
+        for out in outs:
             if out.error is not None:
                 raise RuntimeError(f"warm-up request failed: {out.error}")
         requests += n
+    if engine.prefix_cache is not None and engine.max_model_len > prompt_len + longest_output + 2:
+        # a prefix-cache hit (a second turn after each finish): the restore's copies and ring rebuild compile now
+        turns = [p + o.token_ids + [1] for p, o in zip(prompts, outs)]
+        turns = [t for t in turns if len(t) + 2 <= engine.max_model_len]
+        for out in engine.generate(turns, [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)] * len(turns)):
+            if out.error is not None:
+                raise RuntimeError(f"warm-up request failed: {out.error}")
+        requests += len(turns)
+        engine.clear_prefix_cache()  # serving starts from an empty cache
     if policy is not None:  # keep the step costs measured, not the warm-up prompts' acceptance
         engine.scheduler.depth = policy.choose
         policy.forget_acceptance()

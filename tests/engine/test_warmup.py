@@ -34,12 +34,13 @@ def test_warm_up_steps_every_bucket_and_leaves_the_engine_idle(stack, algorithm)
     if algorithm != "none":
         runner.step_graphs = StepGraphs(runner.spec, max_seqs=5, max_pages=max_pages)
     report = warm_up(engine)
-    assert report["requests"] == 10 and report["seconds"] > 0
+    assert report["requests"] == 10 + 5 and report["seconds"] > 0  # two waves, then a prefix-cache hit each
     keys = runner.graphs.graphs if algorithm == "none" else runner.step_graphs.graphs
     assert {key.num_seqs for key in keys} == set(buckets(5))
     if algorithm != "none":
         assert {key.sampling.any_sampled for key in keys} == {False, True}
-    assert engine.pool_usage().idle
+    assert engine.prefix_cache.stats.hits > 0  # the restore path ran
+    assert engine.pool_usage().idle and engine.pool_usage().snapshots == 0  # and serving starts with an empty cache
 
 
 def test_an_adaptive_depth_warms_up_every_depth_and_keeps_their_costs(stack):
@@ -55,7 +56,7 @@ def test_an_adaptive_depth_warms_up_every_depth_and_keeps_their_costs(stack):
     runner.step_graphs = StepGraphs(runner.spec, max_seqs=5, max_pages=max_pages)
     policy = engine.depth
     report = warm_up(engine)
-    assert report["requests"] == 5 * (2 + len(policy.depths) - 1)
+    assert report["requests"] == 5 * (2 + len(policy.depths) - 1) + 5
     stepped = {(key.rows_per_seq - 1, key.num_seqs) for key in runner.step_graphs.graphs}
     assert {(d, b) for d in policy.depths for b in (1, 2, 4)} <= stepped
     assert all(policy.costs[(b, d)].seconds is not None for d in policy.depths[:-1] for b in (1, 2, 4))  # priced
