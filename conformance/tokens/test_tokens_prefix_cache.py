@@ -32,9 +32,10 @@ FIRST = [(7 * i + 3) % 200 + 1 for i in range(40)]  # a 40-token first prompt: s
 
 def engine_for(tiny, preset: str, algorithm: str, **kw) -> Engine:
     t = tiny(preset)
-    kw = dict(dict(speculative_depth="fixed", snapshot_interval=INTERVAL, max_running_req=4), **kw)
+    kw = dict(dict(speculative_depth="fixed", snapshot_interval=INTERVAL, max_running_req=4, cpu_cache_bytes=16 << 20),
+              **kw)
     return Engine(EngineConfig(model_path=str(t.target), speculative_algorithm=algorithm, device="cpu",
-                               dtype="float32", cpu_cache_bytes=16 << 20,
+                               dtype="float32",
                                speculative_draft_model_path=str(t.draft) if algorithm == "dflash" else None, **kw),
                   trace=True)
 
@@ -177,3 +178,20 @@ def test_many_hits_in_one_step_restore_in_groups(tiny, algorithm):
     for prompt, hit in zip(prompts, hits):
         cold = run(engine_for(tiny, "tiny-dense", algorithm, max_num_batched_tokens=32), prompt, greedy(10))
         assert hit.token_ids == cold.token_ids
+
+
+def test_a_request_never_waits_on_pages_the_cache_could_free(tiny):
+    """Pages held only by snapshots are evicted for a request that needs them, least recently used first, and
+    only as many as it needs."""
+    engine = engine_for(tiny, "tiny-dense", "dflash", max_running_req=2, max_model_len=160, prefix_snapshots=3,
+                        cpu_cache_bytes=8 << 20, snapshot_interval=160)  # finish snapshots only
+    usage = engine.pool_usage()
+    assert usage.total_pages == 20  # 2 requests of 160 tokens, 16 a page
+    prompts = [[i + 1] * 40 + FIRST[:8] for i in range(3)]
+    histories = [prompt + run(engine, prompt, greedy(8)).token_ids for prompt in prompts]  # finish snapshots of
+    # 55 tokens, each in 4 pages of its own
+    assert engine.pool_usage().cached_pages == 12 and engine.pool_usage().free_pages == 8
+    out = run(engine, [7] * 100, greedy(50))  # a budget of 150 tokens: 10 pages
+    assert len(out.token_ids) == 50 and engine.prefix_cache.stats.evictions == 1
+    hits = [engine.prefix_cache.lookup(h + [0]) for h in histories]  # the oldest went
+    assert hits[0] is None and all(h is not None and h.length == 55 for h in hits[1:])

@@ -90,13 +90,14 @@ SNAPSHOT_SHARE = 0.25  # the most of the cache budget automatic snapshot slots t
 SNAPSHOTS_PER_SLOT = 4  # automatic snapshot slots per running request, at most
 
 
-def snapshot_count(requested: int | None, *, budget_bytes: int, snapshot_bytes: int, num_slots: int) -> int:
+def snapshot_count(requested: int | None, *, free_bytes: int, snapshot_bytes: int, num_slots: int) -> int:
     """Prefix-cache snapshot slots: ``requested``, or (None) up to ``SNAPSHOTS_PER_SLOT`` per running request
-    within ``SNAPSHOT_SHARE`` of the budget, at least one."""
+    within ``SNAPSHOT_SHARE`` of ``free_bytes`` (the budget left after the running requests' slots and the
+    workspace: the rest is for KV pages); 0 when not even one fits there."""
     if requested is not None:
         return requested
-    fits = int(budget_bytes * SNAPSHOT_SHARE) // max(1, snapshot_bytes)
-    return max(1, min(SNAPSHOTS_PER_SLOT * num_slots, fits))
+    fits = int(max(0, free_bytes) * SNAPSHOT_SHARE) // max(1, snapshot_bytes)
+    return min(SNAPSHOTS_PER_SLOT * num_slots, fits)
 
 
 def cache_budget_bytes(cfg: EngineConfig, device: torch.device) -> int:

@@ -96,22 +96,25 @@ def load_model(config: EngineConfig) -> LoadedModel:
     ring_bytes, window_bytes = dflash_slot_bytes(draft_cfg, dtype) if draft_cfg is not None else (0, 0)
     use_mtp = cfg.speculative_algorithm == "mtp"
     budget = cache_budget_bytes(cfg, device)
+    state_bytes = gdn_bytes_per_slot(target_cfg, dtype) + verify_bytes_per_seq(target_cfg, dtype, k + 1)
+    # on CUDA the budget is everything within memory_ratio, so the draft's temporaries come out of it;
+    # on CPU cpu_cache_bytes budgets the caches alone
+    workspace = 0 if draft_cfg is None or device.type != "cuda" else dflash_workspace_bytes(
+        draft_cfg, dtype, max_num_batched_tokens=cfg.max_num_batched_tokens, num_slots=num_slots)
     num_snapshots = snapshot_bytes = 0
     if cfg.prefix_caching:  # a snapshot slot: the GDN state and what the proposer saves (window or pending row)
         saved = window_bytes if draft_cfg is not None else target_cfg.hidden_size * _itemsize(dtype) if use_mtp else 0
         snapshot_bytes = gdn_bytes_per_slot(target_cfg, dtype) + saved
-        num_snapshots = snapshot_count(cfg.prefix_snapshots, budget_bytes=budget, snapshot_bytes=snapshot_bytes,
+        free = budget - num_slots * (state_bytes + ring_bytes + window_bytes) - workspace
+        num_snapshots = snapshot_count(cfg.prefix_snapshots, free_bytes=free, snapshot_bytes=snapshot_bytes,
                                        num_slots=num_slots)
+        if not num_snapshots:
+            logger.warning("prefix caching is off: the cache budget leaves no room for one %.1f MiB snapshot slot "
+                           "(raise memory_ratio / cpu_cache_bytes, or set prefix_snapshots)", snapshot_bytes / 2**20)
     plan = plan_memory(
         budget, page_size=cfg.page_size, num_slots=num_slots, max_model_len=max_model_len,
-        kv_bytes_per_token=kv_bytes_per_token(target_cfg, dtype, use_mtp),
-        state_bytes_per_slot=gdn_bytes_per_slot(target_cfg, dtype)
-        + verify_bytes_per_seq(target_cfg, dtype, k + 1),
-        draft_bytes_per_slot=ring_bytes + window_bytes,
-        # on CUDA the budget is everything within memory_ratio, so the draft's temporaries come out of it;
-        # on CPU cpu_cache_bytes budgets the caches alone
-        workspace_bytes=0 if draft_cfg is None or device.type != "cuda" else dflash_workspace_bytes(
-            draft_cfg, dtype, max_num_batched_tokens=cfg.max_num_batched_tokens, num_slots=num_slots),
+        kv_bytes_per_token=kv_bytes_per_token(target_cfg, dtype, use_mtp), state_bytes_per_slot=state_bytes,
+        draft_bytes_per_slot=ring_bytes + window_bytes, workspace_bytes=workspace,
         budget_field="memory_ratio" if device.type == "cuda" else "cpu_cache_bytes",
         num_snapshots=num_snapshots, snapshot_bytes=snapshot_bytes)
     log_plan(plan, draft_ring_bytes=ring_bytes, draft_window_bytes=window_bytes)
