@@ -30,14 +30,14 @@ CASES = [(preset, algorithm) for preset in ("tiny-dense", "tiny-moe") for algori
 FIRST = [(7 * i + 3) % 200 + 1 for i in range(40)]  # a 40-token first prompt: snapshots at 16 and 32
 
 
-def engine_for(tiny, preset: str, algorithm: str, **kw) -> Engine:
+def engine_for(tiny, preset: str, algorithm: str, trace: bool = True, **kw) -> Engine:
     t = tiny(preset)
     kw = dict(dict(speculative_depth="fixed", snapshot_interval=INTERVAL, max_running_req=4, cpu_cache_bytes=16 << 20),
               **kw)
     return Engine(EngineConfig(model_path=str(t.target), speculative_algorithm=algorithm, device="cpu",
                                dtype="float32",
                                speculative_draft_model_path=str(t.draft) if algorithm == "dflash" else None, **kw),
-                  trace=True)
+                  trace=trace)
 
 
 def greedy(n: int) -> SamplingParams:
@@ -195,3 +195,37 @@ def test_a_request_never_waits_on_pages_the_cache_could_free(tiny):
     assert len(out.token_ids) == 50 and engine.prefix_cache.stats.evictions == 1
     hits = [engine.prefix_cache.lookup(h + [0]) for h in histories]  # the oldest went
     assert hits[0] is None and all(h is not None and h.length == 55 for h in hits[1:])
+
+
+@pytest.mark.parametrize("algorithm", ["mtp", "dflash"])
+def test_under_overlap_scheduling_a_stop_hands_over_the_latest_checkpoint(tiny, algorithm):
+    """Overlap scheduling launches the next step before a stop is seen, so the state at a stop has moved on; the
+    request's latest checkpoint (engine/checkpoints.py, every 64 tokens) becomes its finish snapshot, and the next
+    turn resumes there with a cold run's tokens. (The CPU runs the captured step path without capturing, in the
+    GPU's order: conformance/tokens/test_tokens_overlap_schedule.py.)"""
+    from dflash2.fast.engine.graph_step import StepGraphs, TargetGraphs
+    from dflash2.fast.engine.scheduler import pages_for
+
+    def overlapped() -> Engine:
+        engine = engine_for(tiny, "tiny-dense", algorithm, trace=False, snapshot_interval=512, max_model_len=400)
+        runner, max_pages = engine.runner, pages_for(engine.max_model_len, engine.config.page_size)
+        runner.graphs = TargetGraphs(runner.target, runner.pools, max_seqs=4, max_pages=max_pages)
+        runner.step_graphs = StepGraphs(runner.spec, max_seqs=4, max_pages=max_pages)
+        return engine
+
+    prompt = FIRST[:8]
+    probe = run(overlapped(), prompt, greedy(200)).token_ids
+    stop_at = next((i for i in range(150, 200) if probe[i] not in probe[:i]), None)
+    if stop_at is None:
+        pytest.skip("the tiny model repeats itself: no fresh token to stop at")
+    engine = overlapped()
+    engine.stop_ids = frozenset({probe[stop_at]})
+    first = run(engine, prompt, SamplingParams(max_tokens=200, temperature=0.0))
+    assert first.finish_reason == "stop" and first.token_ids == probe[:stop_at + 1]
+    assert engine.runner.step_graphs.launched_ahead > 0 and engine.checkpoints.taken >= 2
+    history = prompt + first.token_ids
+    second = run(engine, history + [3, 1], greedy(12))
+    frontier = len(history) - 1
+    assert frontier - 64 - (engine.k + 1) <= second.cached_tokens <= frontier
+    cold = run(engine_for(tiny, "tiny-dense", algorithm, max_model_len=400), history + [3, 1], greedy(12))
+    assert second.token_ids == cold.token_ids

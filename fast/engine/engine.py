@@ -26,7 +26,9 @@ prefill step, a chunk that ended at a multiple of ``snapshot_interval`` is snaps
 (stop or length) with its state exactly at its frontier is snapshotted before its pages and slot go back, so the
 next turn of a conversation resumes after all of it. Not at its frontier: a stop cut inside a step's tokens
 (the state ran past the cut), or, with overlap scheduling, a next step already launched with the request (it
-has moved the state on); those finishes keep only the prefill's snapshots.
+has moved the state on): there the request's latest checkpoint becomes its snapshot (``checkpoints.py``: taken
+every 64 tokens where the host consents to launching a step ahead), so the next turn resumes shortly before the
+end of this one.
 
 Overlap scheduling (``EngineConfig.overlap_schedule``, ``runner.py``): a steady speculative step may launch the
 next step of the same requests before its own tokens are read; the next ``step`` call then collects that one
@@ -57,6 +59,7 @@ from ..speculative.step import SpeculativeStep
 from .graph_step import TargetGraphs
 from .logprobs import TokenLogprob
 from .runner import ModelRunner
+from .checkpoints import Checkpoints
 from .prefix_cache import PrefixCache
 from .scheduler import PrefillPlan, Req, ReqStatus, Restore, Scheduler, pages_for
 from .startup import LoadedModel, load_model
@@ -160,6 +163,11 @@ class Engine:
         self.stop_ids = frozenset(self.model.stop_token_ids)
         self._ids = itertools.count()  # thread-safe: a server validates requests beside the engine thread
         self.scheduler = self.new_scheduler()
+        self.checkpoints = None  # finish snapshots under overlap scheduling (checkpoints.py)
+        if self.model.num_checkpoints:
+            first = self.model.snapshots.num_snapshots - self.model.num_checkpoints
+            self.checkpoints = Checkpoints(self.model.snapshots, first, self.model.num_checkpoints)
+        self._collecting = False  # inside _collect: a step is in flight while the next one is consented to
         self._live: dict[int, Req] = {}  # requests added and not yet finished, by id
         self._top_logprobs: dict[int, int] = {}  # request id -> alternatives per token, for those that asked
 
@@ -176,7 +184,7 @@ class Engine:
         prefix = None
         if self.model.snapshots is not None:
             prefix = functools.partial(PrefixCache, page_size=cfg.page_size,
-                                       num_slots=self.model.snapshots.num_snapshots,
+                                       num_slots=self.model.snapshots.num_snapshots - self.model.num_checkpoints,
                                        snapshot_interval=cfg.prefix_snapshot_interval,
                                        rewrites_last_row=cfg.speculative_algorithm == "mtp")
         return Scheduler(max_running_req=cfg.max_running_req, max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -473,7 +481,11 @@ class Engine:
         """Commit the step in flight (overlap scheduling) for its requests still live; it may launch the next."""
         flight = self.runner.in_flight
         started = time.perf_counter()
-        results = self.runner.collect(self._launch_next)
+        self._collecting = True
+        try:
+            results = self.runner.collect(self._launch_next)
+        finally:
+            self._collecting = False
         seconds = time.perf_counter() - started
         live = [(req, result) for req, result in zip(flight.reqs, results) if not req.finished]
         deltas = self._commit_verify([req for req, _ in live], [flight.k] * len(live), [r for _, r in live], seconds)
@@ -492,6 +504,8 @@ class Engine:
         scheduler.take_depth()
         for req in reqs:
             self.scheduler.ensure_pages(req, req.anchor_position + 2 * (k + 1))
+        if self.checkpoints is not None:  # queued before the step consented to: see checkpoints.py
+            self.checkpoints.take(reqs, step_in_flight=self._collecting)
         return True
 
     def _commit_verify(self, reqs: Sequence[Req], ks: Sequence[int], results, seconds: float,
@@ -532,16 +546,20 @@ class Engine:
             reason, req.error = "error", f"internal error while committing tokens: {type(exc).__name__}: {exc}"
         new = req.output_ids[before:]
         logprobs = None if logprobs is None else logprobs[:len(new)]
+        if self.checkpoints is not None:
+            self.checkpoints.resolve(req, at_output=len(new) == len(tokens))
         if reason is None:
             return RequestDelta(req.rid, new, logprobs=logprobs, k=k, num_accepted=num_accepted,
                                 cached_tokens=req.cached_tokens)
         req.finish_s = time.perf_counter()
-        if (reason in ("stop", "length") and self.scheduler.prefix is not None and len(new) == len(tokens)
-                and self._at_frontier(req)):
-            # the state holds every committed token but the last (the anchor, at position f): the next turn of
-            # this conversation resumes after all of it
-            history = req.prompt_ids + req.output_ids
-            self._snapshot([(req, history[:len(history) - 1])])
+        if reason in ("stop", "length") and self.scheduler.prefix is not None:
+            if len(new) == len(tokens) and self._at_frontier(req):
+                # the state holds every committed token but the last (the anchor, at position f): the next turn of
+                # this conversation resumes after all of it
+                history = req.prompt_ids + req.output_ids
+                self._snapshot([(req, history[:len(history) - 1])])
+            elif self.checkpoints is not None:  # the state has moved on: resume from its latest checkpoint
+                self.checkpoints.hand_over(req, self.scheduler.prefix)
         self.scheduler.finish(req, reason, req.error)
         return self._finished(req, new, logprobs, k, num_accepted)
 
@@ -549,6 +567,8 @@ class Engine:
                   num_accepted: int | None = None) -> RequestDelta:
         """Forget a request the scheduler has just finished; its last delta."""
         self._live.pop(req.rid, None)
+        if self.checkpoints is not None:
+            self.checkpoints.forget(req)
         self._top_logprobs.pop(req.rid, None)
         if req.finish_s is None:
             req.finish_s = time.perf_counter()

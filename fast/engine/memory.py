@@ -139,5 +139,6 @@ def log_plan(plan: MemoryPlan, *, draft_ring_bytes: int = 0, draft_window_bytes:
         logger.info("DFlash draft workspace (prefill features or a group of ring rebuilds): %.1f MiB",
                     plan.workspace_bytes / MiB)
     if plan.num_snapshots:
-        logger.info("prefix cache: %d snapshot slots of %.2f MiB (GDN state and the proposer's saved state), %.1f MiB",
+        logger.info("prefix cache: %d snapshot slots of %.2f MiB (GDN state and the proposer's saved state; with "
+                    "overlap scheduling one per request slot checkpoints it), %.1f MiB",
                     plan.num_snapshots, plan.snapshot_bytes / MiB, plan.num_snapshots * plan.snapshot_bytes / MiB)

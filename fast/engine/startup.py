@@ -51,6 +51,7 @@ class LoadedModel:
     tokenizer: object | None
     stop_token_ids: tuple[int, ...]
     snapshots: StateSnapshots | None = None  # the prefix cache's snapshot slots (None: prefix caching off)
+    num_checkpoints: int = 0  # of those, the last ones: a checkpoint per request slot (engine/checkpoints.py)
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -101,7 +102,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     # on CPU cpu_cache_bytes budgets the caches alone
     workspace = 0 if draft_cfg is None or device.type != "cuda" else dflash_workspace_bytes(
         draft_cfg, dtype, max_num_batched_tokens=cfg.max_num_batched_tokens, num_slots=num_slots)
-    num_snapshots = snapshot_bytes = 0
+    num_snapshots = snapshot_bytes = num_checkpoints = 0
     if cfg.prefix_caching:  # a snapshot slot: the GDN state and what the proposer saves (window or pending row)
         saved = window_bytes if draft_cfg is not None else target_cfg.hidden_size * _itemsize(dtype) if use_mtp else 0
         snapshot_bytes = gdn_bytes_per_slot(target_cfg, dtype) + saved
@@ -111,24 +112,26 @@ def load_model(config: EngineConfig) -> LoadedModel:
         if not num_snapshots:
             logger.warning("prefix caching is off: the cache budget leaves no room for one %.1f MiB snapshot slot "
                            "(raise memory_ratio / cpu_cache_bytes, or set prefix_snapshots)", snapshot_bytes / 2**20)
+        elif cfg.overlap_schedule and cfg.speculative:  # one checkpoint per request slot (engine/checkpoints.py)
+            num_checkpoints = num_slots
     plan = plan_memory(
         budget, page_size=cfg.page_size, num_slots=num_slots, max_model_len=max_model_len,
         kv_bytes_per_token=kv_bytes_per_token(target_cfg, dtype, use_mtp), state_bytes_per_slot=state_bytes,
         draft_bytes_per_slot=ring_bytes + window_bytes, workspace_bytes=workspace,
         budget_field="memory_ratio" if device.type == "cuda" else "cpu_cache_bytes",
-        num_snapshots=num_snapshots, snapshot_bytes=snapshot_bytes)
+        num_snapshots=num_snapshots + num_checkpoints, snapshot_bytes=snapshot_bytes)
     log_plan(plan, draft_ring_bytes=ring_bytes, draft_window_bytes=window_bytes)
     pools = CachePools(target_cfg, plan.num_pages, cfg.page_size, num_slots, k + 1, dtype, device,
                        mtp=use_mtp)
     proposer = None
     if draft is not None:
-        proposer = FastDFlashProposer(draft, num_slots, num_snapshots=num_snapshots,
+        proposer = FastDFlashProposer(draft, num_slots, num_snapshots=num_snapshots + num_checkpoints,
                                       rebuild_group=rebuild_group(draft_cfg, cfg.max_num_batched_tokens))
     elif mtp is not None:
-        proposer = FastMTPProposer(mtp, pools, num_snapshots=num_snapshots)
-    snapshots = StateSnapshots(pools, proposer, num_snapshots) if num_snapshots else None
+        proposer = FastMTPProposer(mtp, pools, num_snapshots=num_snapshots + num_checkpoints)
+    snapshots = StateSnapshots(pools, proposer, num_snapshots + num_checkpoints) if num_snapshots else None
     return LoadedModel(cfg, target_cfg, target, pools, proposer, k, max_model_len, plan, tokenizer,
-                       stop_token_ids, snapshots)
+                       stop_token_ids, snapshots, num_checkpoints)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
