@@ -86,7 +86,7 @@ def dflash_workspace_bytes(cfg: DraftConfig, dtype: torch.dtype, *, max_num_batc
     return max(prefill, rebuild) * itemsize
 
 
-SNAPSHOT_SHARE = 0.25  # the most of the cache budget automatic snapshot slots take
+SNAPSHOT_SHARE = 0.15  # the most of the free cache budget automatic snapshot slots take (the rest: KV pages)
 SNAPSHOTS_PER_SLOT = 4  # automatic snapshot slots per running request, at most
 
 
