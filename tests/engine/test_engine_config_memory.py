@@ -12,7 +12,7 @@ import torch
 
 from dflash2.fast.engine.config import ENGINE_FLAGS, EngineConfig, add_engine_args, engine_config_from_args
 from dflash2.fast.engine.memory import (dflash_slot_bytes, dflash_workspace_bytes, log_plan, plan_memory,
-                                       rebuild_group)
+                                       rebuild_group, snapshot_count)
 from dflash2.fast.model.pools import CachePools, gdn_bytes_per_slot, kv_bytes_per_token
 from dflash2.fast.speculative.ring import RingPool, WindowPool
 from dflash2.reference.formats.draft_config import parse_draft_config
@@ -61,6 +61,10 @@ def test_auto_resolves_to_the_machine():
     (dict(speculative_num_steps=2), "speculative_num_steps=2: only used with"),
     (dict(speculative_algorithm="mtp", speculative_num_steps="3"), "speculative_num_steps='3'"),
     (dict(dtype=torch.int8), "dtype=torch.int8"),
+    (dict(snapshot_interval=24), "snapshot_interval=24: expected None or a positive multiple of page_size (16)"),
+    (dict(snapshot_interval=0), "snapshot_interval=0"),
+    (dict(prefix_snapshots=0), "prefix_snapshots=0: expected None (automatic) or an integer >= 1"),
+    (dict(prefix_caching="yes"), "prefix_caching='yes': expected a bool"),
 ])
 def test_config_refusals_name_field_value_and_expectation(kw, needle):
     with pytest.raises(ConfigError) as exc:
@@ -106,6 +110,13 @@ def test_byte_counts_equal_the_allocated_pools(caplog):
         log_plan(plan, draft_ring_bytes=ring_bytes, draft_window_bytes=window_bytes)
     assert f"KV cache: {plan.kv_tokens} tokens" in caplog.text
     assert "DFlash draft per slot" in caplog.text and "dflash_window" in caplog.text
+    # a snapshot slot: the GDN state (snapshots.py) and the saved window, as startup counts it
+    from dflash2.fast.engine.snapshots import StateSnapshots
+    saved = WindowPool(3, draft_cfg.sliding_window, draft_cfg.hidden_size, num_saved=2)
+    snapshots = StateSnapshots(pools, None, 2)
+    nbytes = sum(t.numel() * t.element_size() for t in (snapshots.conv, snapshots.recurrent, saved.saved_rows,
+                                                         saved.saved_tags))
+    assert nbytes == 2 * (gdn_bytes_per_slot(cfg, torch.float32) + window_bytes)
 
 
 @pytest.mark.parametrize("rows, expected_group", [(37, 1), (100, 2), (200, 3)])  # W - 1 = 39 rows a ring, 3 slots
@@ -137,3 +148,20 @@ def test_the_draft_workspace_covers_a_prefill_chunk_and_a_group_of_ring_rebuilds
                        state_bytes_per_slot=100, workspace_bytes=workspace)
     assert plan.total_bytes <= 1 << 20 and plan.workspace_bytes == workspace
     assert plan.num_pages == ((1 << 20) - slots * 100 - workspace) // (4 * 64)
+
+
+def test_snapshot_slots_come_out_of_the_budget_left_for_pages():
+    """Automatic snapshot slots: up to 4 per request slot within 15% of what the running slots leave, none when
+    not one fits; an explicit count is kept; the plan then takes them out before the pages."""
+    assert snapshot_count(None, free_bytes=10_000, snapshot_bytes=100, num_slots=2) == 8  # the per-slot cap
+    assert snapshot_count(None, free_bytes=2_000, snapshot_bytes=100, num_slots=2) == 3  # 15% of 2000 = 300
+    assert snapshot_count(None, free_bytes=600, snapshot_bytes=100, num_slots=2) == 0
+    assert snapshot_count(5, free_bytes=0, snapshot_bytes=100, num_slots=2) == 5
+    plain = plan_memory(100_000, page_size=4, num_slots=2, max_model_len=10**6, kv_bytes_per_token=10,
+                        state_bytes_per_slot=100)
+    cached = plan_memory(100_000, page_size=4, num_slots=2, max_model_len=10**6, kv_bytes_per_token=10,
+                         state_bytes_per_slot=100, num_snapshots=3, snapshot_bytes=1000)
+    assert cached.num_snapshots == 3 and cached.num_pages == plain.num_pages - 3000 // 40
+    assert cached.total_bytes <= 100_000
+    assert EngineConfig(model_path="m").prefix_snapshot_interval == 2048  # max_num_batched_tokens
+    assert EngineConfig(model_path="m", max_num_batched_tokens=1000).prefix_snapshot_interval == 992
