@@ -28,6 +28,37 @@ throughput over the wall time of the load, and the server's own counters over th
 (``--load-format dummy``) weights accept almost no drafts, so a speculative run there times the
 serving path at about one token per verify step, not the speed-up of a trained draft.
 
+A multi-turn chat workload for the prefix cache: ``--multi-turn`` replaces the uniform requests with
+``--users`` conversations (default 8) of ``--turns`` turns each (default 6) that share one ``--system-len``
+token system prompt (default 2000). User u's turn t prompt is the system prompt, then each earlier turn's
+user message and the assistant's reply, then a new user message of ``--user-len`` tokens: the previous
+prompt plus the previous reply's token ids (read from the stream: ``return_token_ids``) plus the new
+message. The users run at once, each its turns one after another (a closed loop per user), so turn 1 of
+every user arrives together and shares only the system prompt (which only a boundary snapshot inside it,
+``ft serve --snapshot-interval`` below ``--system-len``, can serve, and only to a user admitted after that
+snapshot was taken: ``--stagger-s S`` starts user u at u * S seconds). Every turn is a streamed
+``/v1/completions`` of token ids with ``ignore_eos``, ``max_tokens = --output-len`` and the final usage
+chunk (``stream_options.include_usage``), at ``--temperature`` 0 by default: greedy replies are a
+function of the prompt, random ``--load-format dummy`` weights included (seeded: they give other ids than
+trained weights, but the same ids run after run), so the users' messages (seeded by ``--seed``) and the
+replies make the same histories on every server. ``--compare-no-cache`` runs the same conversations on a
+second server, the same ``ft serve`` arguments plus ``--no-prefix-caching`` (or ``--no-cache-url`` a
+running one), and counts the turns whose reply ids match (all of them on CPU in fp32; on a GPU another
+batch or prefill split can flip a near-tie in bf16, and that conversation's later prompts then differ:
+a warning says where). Reported per server: the hit rate (the sum of
+``usage.prompt_tokens_details.cached_tokens`` over the sum of prompt tokens, and the same from the
+``/metrics`` prefix-cache counters), prefill tokens computed (prompt minus cached), TTFT p50 / p99 overall,
+for turn 1, for the later turns and per turn, tokens per verify step (the ``/metrics`` histogram's sum
+over its count) and output tokens per second; with both servers, the cache's gain: without / with for
+TTFT and prefill tokens, with / without for output tokens per second. Issue 33's workload, on the MoE
+shape with dummy weights and on the bundled pair::
+
+    python bench/load_serve.py --multi-turn --compare-no-cache --out bench/results/<date>-<gpu>-serve/multi-turn.json \\
+        -- --model bench/shapes/qwen3.5-35b-a3b --speculative-algorithm dflash \\
+        --speculative-draft-model-path bench/shapes/qwen3.5-35b-a3b-dflash2 --load-format dummy \\
+        --max-running-requests 8 --max-model-len 4096
+    python bench/load_serve.py --multi-turn --compare-no-cache -- --max-running-req 8
+
 Standard library only (the client is a small HTTP/1.1 reader), so it runs wherever ``ft`` does.
 """
 
@@ -109,11 +140,15 @@ class Sample:
     tpot_s: float | None = None
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the generated ids, in order (with return_token_ids)
+    usage: dict | None = None  # the final usage chunk (with stream_options.include_usage)
 
 
 async def one_request(host: str, port: int, body: dict, headers: dict, timeout: float) -> Sample:
     start = time.perf_counter()
     token_times: list[tuple[float, int]] = []
+    token_ids: list[int] = []
+    usage: list[dict] = []
     buffer = b""
     errors: list[str] = []
 
@@ -128,9 +163,12 @@ async def one_request(host: str, port: int, body: dict, headers: dict, timeout: 
             if "error" in event:
                 errors.append(event["error"].get("message", "error"))
                 continue
-            n = sum(len(c.get("token_ids") or ()) for c in event.get("choices", ()))
-            if n:
-                token_times.append((time.perf_counter(), n))
+            if event.get("usage"):
+                usage.append(event["usage"])
+            ids = [t for c in event.get("choices", ()) for t in c.get("token_ids") or ()]
+            if ids:
+                token_times.append((time.perf_counter(), len(ids)))
+                token_ids.extend(ids)
 
     try:
         status, raw = await asyncio.wait_for(http(host, port, "POST", "/v1/completions", body, headers=headers,
@@ -141,7 +179,8 @@ async def one_request(host: str, port: int, body: dict, headers: dict, timeout: 
     if status != 200 or errors:
         return Sample(False, status, errors[0] if errors else raw[:200].decode(errors="replace"))
     tokens = sum(n for _, n in token_times)
-    sample = Sample(True, status, output_tokens=tokens, e2e_s=end - start)
+    sample = Sample(True, status, output_tokens=tokens, e2e_s=end - start, token_ids=token_ids,
+                    usage=usage[-1] if usage else None)
     if token_times:
         first, last = token_times[0][0], token_times[-1][0]
         sample.ttft_s = first - start
@@ -178,19 +217,27 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-async def run_load(args: argparse.Namespace, host: str, port: int) -> dict:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+async def served_model(host: str, port: int, headers: dict) -> str:
     status, raw = await http(host, port, "GET", "/v1/models", headers=headers)
     if status != 200:
         raise SystemExit(f"GET /v1/models: status {status}: {raw[:200]!r}")
-    model = json.loads(raw)["data"][0]["id"]
+    return json.loads(raw)["data"][0]["id"]
+
+
+async def read_metrics(host: str, port: int) -> dict[str, float]:
+    return parse_metrics((await http(host, port, "GET", "/metrics"))[1].decode())
+
+
+async def run_load(args: argparse.Namespace, host: str, port: int) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = await served_model(host, port, headers)
     rng = random.Random(args.seed)
     prompts = ([args.texts[i % len(args.texts)] for i in range(args.num_requests)] if args.texts else
                [[rng.randrange(args.max_token_id) for _ in range(args.input_len)] for _ in range(args.num_requests)])
     bodies = [{"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": args.temperature,
                "ignore_eos": True, "stream": True, "return_token_ids": True, "seed": i}
               for i, prompt in enumerate(prompts)]
-    before = parse_metrics((await http(host, port, "GET", "/metrics"))[1].decode())
+    before = await read_metrics(host, port)
     samples: list[Sample] = []
     next_index = 0
     start = time.perf_counter()
@@ -209,7 +256,7 @@ async def run_load(args: argparse.Namespace, host: str, port: int) -> dict:
         task.cancel()
     cancelled = len(pending)
     wall = time.perf_counter() - start
-    after = parse_metrics((await http(host, port, "GET", "/metrics"))[1].decode())
+    after = await read_metrics(host, port)
 
     def moved(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -238,6 +285,204 @@ async def run_load(args: argparse.Namespace, host: str, port: int) -> dict:
             "rejected_429": moved('dflash2_request_rejected_total{status="429"}'),
         },
     }
+
+
+# ---- the multi-turn chat workload (--multi-turn) --------------------------------------------------
+
+
+def conversation_script(args: argparse.Namespace) -> tuple[list[int], list[list[list[int]]]]:
+    """The system prompt and each user's messages (``[user][turn]``), seeded: the same for every server."""
+    rng = random.Random(args.seed)
+    system = [rng.randrange(args.max_token_id) for _ in range(args.system_len)]
+    messages = [[[rng.randrange(args.max_token_id) for _ in range(args.user_len)] for _ in range(args.turns)]
+                for _ in range(args.users)]
+    return system, messages
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def turn_summary(turns: list[dict]) -> dict:
+    """Hit rate, prefill tokens computed and TTFT percentiles over some turns (the ok ones)."""
+    prompt = sum(t["prompt_tokens"] for t in turns)
+    cached = sum(t["cached_tokens"] for t in turns)
+    return {"turns": len(turns), "prompt_tokens": prompt, "cached_tokens": cached,
+            "prefill_tokens_computed": prompt - cached, "hit_rate": ratio(cached, prompt),
+            "ttft_s": percentiles([t["ttft_s"] for t in turns if t["ttft_s"] is not None])}
+
+
+async def run_multi_turn(args: argparse.Namespace, host: str, port: int) -> dict:
+    """``--users`` conversations at once, each ``--turns`` turns in a row over a growing history."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = await served_model(host, port, headers)
+    system, messages = conversation_script(args)
+    before = await read_metrics(host, port)
+    records: list[tuple[int, int, int, Sample]] = []  # (user, turn from 1, prompt length, sample)
+    start = time.perf_counter()
+    stop_issuing = start + args.duration_s
+
+    async def user(u: int) -> None:
+        await asyncio.sleep(u * args.stagger_s)
+        history = list(system)
+        for t in range(args.turns):
+            if time.perf_counter() >= stop_issuing:
+                return
+            prompt = history + messages[u][t]
+            body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": args.temperature,
+                    "ignore_eos": True, "stream": True, "return_token_ids": True,
+                    "stream_options": {"include_usage": True}, "seed": u * args.turns + t}
+            sample = await one_request(host, port, body, headers, args.timeout_s)
+            records.append((u, t + 1, len(prompt), sample))
+            if not sample.ok:
+                return  # no reply, no next turn
+            history = prompt + sample.token_ids
+
+    tasks = [asyncio.ensure_future(user(u)) for u in range(args.users)]
+    done, pending = await asyncio.wait(tasks, timeout=args.duration_s + args.timeout_s)
+    for task in pending:
+        task.cancel()
+    wall = time.perf_counter() - start
+    after = await read_metrics(host, port)
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    turns = []
+    for u, t, prompt_len, s in sorted(records, key=lambda r: r[:2]):
+        usage = s.usage or {}
+        turns.append({"user": u, "turn": t, "ok": s.ok, "error": s.error,
+                      "prompt_tokens": usage.get("prompt_tokens", prompt_len),
+                      "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                      "usage_reported": s.usage is not None, "output_tokens": s.output_tokens,
+                      "ttft_s": s.ttft_s, "e2e_s": s.e2e_s, "reply_token_ids": s.token_ids})
+    ok = [t for t in turns if t["ok"]]
+    output_tokens = sum(t["output_tokens"] for t in ok)
+    queries, hits = moved("dflash2_prefix_cache_queries_total"), moved("dflash2_prefix_cache_hits_total")
+    per_step_sum = moved("dflash2_spec_decode_tokens_per_verify_step_sum")
+    per_step_count = moved("dflash2_spec_decode_tokens_per_verify_step_count")
+    return {
+        "model": model, "num_turns_sent": len(turns), "num_ok": len(ok), "num_failed": len(turns) - len(ok),
+        "num_users_cancelled_at_deadline": len(pending), "errors": sorted({t["error"] for t in turns if t["error"]})[:10],
+        "turns_without_usage": sum(1 for t in ok if not t["usage_reported"]),
+        "longest_prompt_tokens": max((t["prompt_tokens"] for t in turns), default=0),
+        "wall_s": wall, "output_tokens": output_tokens, "output_token_throughput_per_s": output_tokens / wall,
+        **turn_summary(ok),
+        "turn_1": turn_summary([t for t in ok if t["turn"] == 1]),
+        "later_turns": turn_summary([t for t in ok if t["turn"] > 1]),
+        "per_turn": [{"turn": i, **turn_summary([t for t in ok if t["turn"] == i])} for i in range(1, args.turns + 1)],
+        "e2e_s": percentiles([t["e2e_s"] for t in ok if t["e2e_s"] is not None]),
+        "server": {
+            "prompt_tokens": moved("dflash2_prompt_tokens_total"),
+            "generation_tokens": moved("dflash2_generation_tokens_total"),
+            "prefix_cache_queries": queries, "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": ratio(hits, queries),
+            "prefix_cache_evictions": moved("dflash2_prefix_cache_evictions_total"),
+            "verify_steps": per_step_count,
+            "tokens_per_verify_step": ratio(per_step_sum, per_step_count),
+        },
+        "turns_detail": turns,
+    }
+
+
+def replies_match(cache: dict, no_cache: dict) -> dict:
+    """Whether both servers gave the same reply ids at each (user, turn) that both completed."""
+    theirs = {(t["user"], t["turn"]): t["reply_token_ids"] for t in no_cache["turns_detail"] if t["ok"]}
+    both = [(t["user"], t["turn"], t["reply_token_ids"] == theirs[t["user"], t["turn"]])
+            for t in cache["turns_detail"] if t["ok"] and (t["user"], t["turn"]) in theirs]
+    return {"compared": len(both), "identical": sum(same for *_, same in both),
+            "first_differing": [[u, t] for u, t, same in both if not same][:10]}
+
+
+def multi_turn_comparison(cache: dict, no_cache: dict) -> dict:
+    """The cache's gain: without / with for costs (TTFT, prefill tokens), with / without for output tok/s."""
+    def p50(summary: dict) -> float | None:
+        return summary["ttft_s"]["p50"]
+
+    def p99(summary: dict) -> float | None:
+        return summary["ttft_s"]["p99"]
+
+    return {
+        "ttft_p50_later_turns_without_over_with": ratio(p50(no_cache["later_turns"]), p50(cache["later_turns"])),
+        "ttft_p99_later_turns_without_over_with": ratio(p99(no_cache["later_turns"]), p99(cache["later_turns"])),
+        "ttft_p50_turn_1_without_over_with": ratio(p50(no_cache["turn_1"]), p50(cache["turn_1"])),
+        "ttft_p50_without_over_with": ratio(p50(no_cache), p50(cache)),
+        "ttft_p50_per_turn_without_over_with": [ratio(p50(b), p50(a)) for a, b in zip(cache["per_turn"],
+                                                                                      no_cache["per_turn"])],
+        "prefill_tokens_without_over_with": ratio(no_cache["prefill_tokens_computed"], cache["prefill_tokens_computed"]),
+        "output_tok_s_with_over_without": ratio(cache["output_token_throughput_per_s"],
+                                                no_cache["output_token_throughput_per_s"]),
+        "replies": replies_match(cache, no_cache),
+    }
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _pct(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate * 100:.1f}%"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def multi_turn_table(result: dict) -> str:
+    """One server's multi-turn figures, one per line."""
+    server = result["server"]
+    tps = server["tokens_per_verify_step"]
+    rows = [("turns ok / sent", f"{result['num_ok']} / {result['num_turns_sent']}"),
+            ("wall s", f"{result['wall_s']:.1f}"),
+            ("hit rate (usage)", _pct(result["hit_rate"])),
+            ("hit rate (/metrics)", _pct(server["prefix_cache_hit_rate"])),
+            ("prompt / cached / computed", f"{result['prompt_tokens']} / {result['cached_tokens']} / "
+                                           f"{result['prefill_tokens_computed']}"),
+            ("evictions", f"{server['prefix_cache_evictions']:.0f}"),
+            ("output tok/s", f"{result['output_token_throughput_per_s']:.1f}"),
+            ("tokens/verify step", "-" if tps is None else f"{tps:.2f}")]
+    for key, label in (("ttft_s", "TTFT ms p50/p99"), ("turn_1", "TTFT ms p50/p99 turn 1"),
+                       ("later_turns", "TTFT ms p50/p99 turns >= 2")):
+        p = (result if key == "ttft_s" else result[key])["ttft_s"]
+        rows.append((label, f"{_ms(p['p50'])} / {_ms(p['p99'])}"))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines += ["| turn | turns | prompt tokens | cached | hit rate | TTFT p50 ms | TTFT p99 ms |",
+              "|---|---|---|---|---|---|---|"]
+    for t in result["per_turn"]:
+        lines.append(f"| {t['turn']} | {t['turns']} | {t['prompt_tokens']} | {t['cached_tokens']} | "
+                     f"{_pct(t['hit_rate'])} | {_ms(t['ttft_s']['p50'])} | {_ms(t['ttft_s']['p99'])} |")
+    return "\n".join(lines)
+
+
+def multi_turn_comparison_table(cache: dict, no_cache: dict, gain: dict) -> str:
+    """The two servers side by side, and the cache's gain."""
+    def row(label: str, a: str, b: str, g: float | None) -> str:
+        return f"| {label} | {a} | {b} | {_x(g)} |"
+
+    tps = [r["server"]["tokens_per_verify_step"] for r in (cache, no_cache)]
+    lines = ["| multi-turn | cache on | cache off | gain |", "|---|---|---|---|",
+             row("hit rate (usage)", _pct(cache["hit_rate"]), _pct(no_cache["hit_rate"]), None),
+             row("hit rate (/metrics)", _pct(cache["server"]["prefix_cache_hit_rate"]),
+                 _pct(no_cache["server"]["prefix_cache_hit_rate"]), None),
+             row("prefill tokens computed", str(cache["prefill_tokens_computed"]),
+                 str(no_cache["prefill_tokens_computed"]), gain["prefill_tokens_without_over_with"])]
+    for key, label in (("turn_1", "turn 1"), ("later_turns", "turns >= 2")):
+        for q in ("p50", "p99"):
+            a, b = cache[key]["ttft_s"][q], no_cache[key]["ttft_s"][q]
+            lines.append(row(f"TTFT {q} ms, {label}", _ms(a), _ms(b), ratio(b, a)))
+    lines.append(row("TTFT p50 ms, all", _ms(cache["ttft_s"]["p50"]), _ms(no_cache["ttft_s"]["p50"]),
+                     gain["ttft_p50_without_over_with"]))
+    lines.append(row("tokens/verify step", *("-" if x is None else f"{x:.2f}" for x in tps), None))
+    lines.append(row("output tok/s", f"{cache['output_token_throughput_per_s']:.1f}",
+                     f"{no_cache['output_token_throughput_per_s']:.1f}", gain["output_tok_s_with_over_without"]))
+    replies = gain["replies"]
+    lines.append(f"| replies identical | {replies['identical']} / {replies['compared']} | | |")
+    lines += ["", "| turn | hit rate | TTFT p50 ms cache on | TTFT p50 ms cache off | gain |", "|---|---|---|---|---|"]
+    for a, b, g in zip(cache["per_turn"], no_cache["per_turn"], gain["ttft_p50_per_turn_without_over_with"]):
+        lines.append(f"| {a['turn']} | {_pct(a['hit_rate'])} | {_ms(a['ttft_s']['p50'])} | "
+                     f"{_ms(b['ttft_s']['p50'])} | {_x(g)} |")
+    return "\n".join(lines)
 
 
 # ---- the server --------------------------------------------------------------------------------
@@ -281,7 +526,8 @@ class ServerProcess:
                 raise SystemExit(f"ft serve did not start (status {self.proc.poll()}):\n" + "".join(self.lines[-20:]))
         match = re.search(r"listening on http://([\d.]+):(\d+)", "".join(self.lines))
         self.host, self.port = match.group(1), int(match.group(2))
-        self.summary = next((line.strip() for line in self.lines if "serving " in line), "")
+        # the startup line "serving 'name': model ..." (not "no --model: serving the bundled pair ...")
+        self.summary = next((line.strip() for line in self.lines if re.search(r"serving ['\"]", line)), "")
 
     def stop(self, timeout: float) -> dict:
         """SIGTERM, then wait for the drain; the exit status and how long it took."""
@@ -357,9 +603,9 @@ def load_texts(path: str) -> list[str]:
     return texts
 
 
-def sweep(args: argparse.Namespace, url: str | None, serve_args: list[str]) -> tuple[list[dict], dict | None]:
-    """The load at each concurrency level on one server (``url``, or ``ft serve serve_args`` started here);
-    the levels' results and the started server's record."""
+def on_server(args: argparse.Namespace, url: str | None, serve_args: list[str], work) -> tuple[object, dict | None]:
+    """``work(host, port)`` on one server (``url``, or ``ft serve serve_args`` started here and stopped after);
+    its result and the started server's record."""
     server = None
     if url is not None:
         parts = urlsplit(url)
@@ -369,16 +615,63 @@ def sweep(args: argparse.Namespace, url: str | None, serve_args: list[str]) -> t
     else:
         server = ServerProcess(serve_args, args.startup_timeout_s)
         host, port = server.host, server.port
-    results = []
     try:
-        for level in args.concurrency:
-            results.append({"concurrency": level, **asyncio.run(run_load(argparse.Namespace(
-                **{**vars(args), "concurrency": level}), host, port))})
+        result = work(host, port)
     finally:
         record = None
         if server is not None:
             record = {"command": server.command, "summary": server.summary, "shutdown": server.stop(args.timeout_s)}
-    return results, record
+    return result, record
+
+
+def sweep(args: argparse.Namespace, url: str | None, serve_args: list[str]) -> tuple[list[dict], dict | None]:
+    """The load at each concurrency level on one server (``url``, or ``ft serve serve_args`` started here);
+    the levels' results and the started server's record."""
+    def levels(host: str, port: int) -> list[dict]:
+        return [{"concurrency": level, **asyncio.run(run_load(argparse.Namespace(
+            **{**vars(args), "concurrency": level}), host, port))} for level in args.concurrency]
+
+    return on_server(args, url, serve_args, levels)
+
+
+PREFIX_CACHE_FLAGS = ("--prefix-caching", "--no-prefix-caching")
+
+
+def no_cache_serve_args(serve_args: list[str]) -> list[str]:
+    """The same ``ft serve`` arguments with the prefix cache off."""
+    return [arg for arg in serve_args if arg not in PREFIX_CACHE_FLAGS] + ["--no-prefix-caching"]
+
+
+def multi_turn(args: argparse.Namespace, serve_args: list[str]) -> tuple[dict, int]:
+    """--multi-turn: the conversations on the server under test and, asked, on one without the prefix cache;
+    the result (written to --out) and the exit status. Prints the tables."""
+    def work(host: str, port: int) -> dict:
+        return asyncio.run(run_multi_turn(args, host, port))
+
+    cache, server = on_server(args, args.url, serve_args, work)
+    no_cache, no_cache_server, gain = None, None, None
+    if args.compare_no_cache or args.no_cache_url:
+        no_cache, no_cache_server = on_server(args, args.no_cache_url, no_cache_serve_args(serve_args), work)
+        gain = multi_turn_comparison(cache, no_cache)
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "texts", "concurrency", "num_requests",
+                                                                "input_len", "prompts", "compare_plain", "plain_url")}
+    result = {"workload": "multi-turn", "cache": cache, "no_cache": no_cache, "comparison": gain, "config": config,
+              "serve_args": serve_args, "server": server, "no_cache_server": no_cache_server,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for label, r in (("cache on", cache), ("cache off", no_cache)):
+        if r is not None:
+            print(f"multi-turn, {label}: {args.users} users x {args.turns} turns, system {args.system_len} tokens, "
+                  f"user {args.user_len}, reply {args.output_len}; longest prompt {r['longest_prompt_tokens']}")
+            print(multi_turn_table(r))
+    if gain is not None:
+        print(multi_turn_comparison_table(cache, no_cache, gain))
+        replies = gain["replies"]
+        if replies["identical"] != replies["compared"]:
+            print(f"warning: {replies['compared'] - replies['identical']} of {replies['compared']} replies differ "
+                  f"between the servers (first (user, turn): {replies['first_differing']}); the histories after "
+                  f"them differ too", file=sys.stderr)
+    ran = [r for r in (cache, no_cache) if r is not None]
+    return result, 0 if all(r["num_failed"] == 0 and r["num_ok"] > 0 for r in ran) else 1
 
 
 def comparison(levels: list[dict], plain: list[dict]) -> str:
@@ -422,12 +715,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON result here")
+    mt = p.add_argument_group("multi-turn chat (--multi-turn; --output-len is the reply length)")
+    mt.add_argument("--multi-turn", action="store_true",
+                    help="conversations over a shared system prompt with growing histories, instead of --num-requests "
+                         "uniform requests")
+    mt.add_argument("--system-len", type=int, default=2000, help="system prompt tokens, shared by every user (default 2000)")
+    mt.add_argument("--users", type=int, default=8, help="conversations at once, each a closed loop (default 8)")
+    mt.add_argument("--turns", type=int, default=6, help="turns per user (default 6)")
+    mt.add_argument("--user-len", type=int, default=128, help="new tokens per user message (default 128)")
+    mt.add_argument("--stagger-s", type=float, default=0.0,
+                    help="user u starts u times this many seconds in (default 0: all at once, so turn 1 of every "
+                         "user is admitted before any snapshot of the system prompt exists)")
+    mt.add_argument("--compare-no-cache", action="store_true",
+                    help="also run the conversations with the prefix cache off: the ft serve arguments plus "
+                         "--no-prefix-caching (or --no-cache-url)")
+    mt.add_argument("--no-cache-url", default=None, help="a running server without the prefix cache to compare with")
     args = p.parse_args(argv)
-    for name in ("num_requests", "input_len", "output_len", "max_token_id"):
+    for name in ("num_requests", "input_len", "output_len", "max_token_id", "system_len", "users", "turns", "user_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected an integer >= 1")
+    if args.stagger_s < 0:
+        p.error(f"--stagger-s={args.stagger_s}: expected a number >= 0")
     if args.url is None and not serve_args:
         p.error("expected --url of a running server, or ft serve arguments after --")
+    if args.multi_turn:
+        if args.compare_plain or args.plain_url or args.prompts:
+            p.error("--multi-turn: --compare-plain, --plain-url and --prompts do not apply (it sends token ids; "
+                    "compare with --compare-no-cache)")
+        if args.compare_no_cache and args.no_cache_url is None and not serve_args:
+            p.error("--compare-no-cache: expected ft serve arguments after -- (or --no-cache-url of a running "
+                    "server without the prefix cache)")
+        result, code = multi_turn(args, serve_args)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        return code
+    if args.compare_no_cache or args.no_cache_url:
+        p.error("--compare-no-cache and --no-cache-url go with --multi-turn")
     if args.compare_plain and args.plain_url is None and not serve_args:
         p.error("--compare-plain: expected ft serve arguments after -- (or --plain-url of a running plain server)")
     args.texts = load_texts(args.prompts) if args.prompts else None
