@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from dflash2.fast.engine.warmup import warm_up
 from dflash2.fast.kernels.sampling.sampler import SamplingTensors
 from dflash2.fast.llm import LLM, SamplingParams
 from dflash2.fast.speculative.proposer import DraftProposal
@@ -70,7 +71,12 @@ class BenchArgs:
 
 
 class StepClock:
-    """Wraps a runner's step methods and records each call's host wall time (each ends on a device read)."""
+    """Wraps a runner's step methods and records each call's host wall time (each ends on a device read).
+
+    A speculative step's results come back from ``verify`` or, under overlap scheduling, from ``collect`` (the
+    step launched ahead by the call before): each such call reads one step, so both count as verify steps, and
+    the host time of a ``collect`` is the wait for the step it reads (the next one is already queued).
+    """
 
     def __init__(self, runner, before_verify=None):
         self.runner, self.times = runner, {"decode": [], "verify": [], "prefill": []}
@@ -78,13 +84,14 @@ class StepClock:
         self.accepted: list[int] = []  # drafts kept, per request and verify step
         for kind in self.times:
             setattr(runner, kind, self._timed(kind, getattr(runner, kind)))
+        runner.collect = self._timed("verify", runner.collect)
 
     def _timed(self, kind, fn):
-        def call(plan, *args, **kwargs):
+        def call(*args, **kwargs):
             if kind == "verify" and self.before_verify is not None:
                 self.before_verify()
             start = time.perf_counter()
-            result = fn(plan, *args, **kwargs)
+            result = fn(*args, **kwargs)
             self.times[kind].append(time.perf_counter() - start)
             if kind == "verify":
                 self.accepted += [r.num_accepted for r in result]
@@ -142,6 +149,10 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
         prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(concurrency)]
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=i,
                              ignore_eos=True) for i in range(concurrency)]
+    if engine.depth is not None and engine.depth.adaptive:
+        warm_up(engine)  # every depth the policy may choose, at every batch bucket: none compiles in the timed run
+        if simulated is not None:
+            simulated.schedule.restart()  # the warm-up generate below keeps what the timed run will
     llm.generate(prompts, params)  # warm-up: the same shapes, so graphs and kernels are ready
     engine.clear_prefix_cache()  # the timed run prefills its prompts, as the warm-up did (no hits on its snapshots)
     if simulated is not None:

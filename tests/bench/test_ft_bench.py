@@ -172,3 +172,33 @@ def test_a_sampled_run_draws_each_requests_own_seed(tiny, tmp_path):
     runs = json.loads((out / "bench.json").read_text())["runs"]
     assert all((r["temperature"], r["top_p"]) == (1.0, 0.95) and r["steps"] > 0 for r in runs)
     assert "- sampling: temperature 1.0, top-p 0.95, seed i for request i" in (out / "bench.md").read_text()
+
+
+def test_the_step_clock_counts_the_steps_collected_under_overlap_scheduling():
+    """Under overlap scheduling a verify returns one step's results and each collect the next one's: the clock
+    counts each as a verify step (and calls the simulated acceptance's hook before each)."""
+    from types import SimpleNamespace
+
+    from dflash2.bench.run import StepClock
+
+    class Runner:
+        def prefill(self, plan):
+            return []
+
+        def decode(self, plan):
+            return []
+
+        def verify(self, plan, **kw):
+            return [SimpleNamespace(num_accepted=2), SimpleNamespace(num_accepted=0)]
+
+        def collect(self, launch_next=None):
+            return [SimpleNamespace(num_accepted=1), SimpleNamespace(num_accepted=3)]
+
+    hooks = []
+    runner = Runner()
+    clock = StepClock(runner, before_verify=lambda: hooks.append(1))
+    runner.verify(None, launch_next=None)
+    for _ in range(3):
+        runner.collect(None)
+    assert len(clock.times["verify"]) == 4 and len(hooks) == 4
+    assert clock.accepted == [2, 0] + [1, 3] * 3
