@@ -82,8 +82,9 @@ def test_abort_frees_what_a_finish_frees_at_every_stage(tiny):
     assert idle.total_ring_slots == idle.total_slots == 3 and idle.free_ring_slots == 3
     reference = engine.generate([PROMPTS[2]], [params(0)])[0].token_ids
     waiting = [engine.add_request(PROMPTS[0], params(i, max_tokens=30)) for i in range(5)]  # 3 run, 2 wait
-    engine.step()
-    engine.step()  # prefill steps of 6 rows: prompts 0 and 1 done, prompt 2 at 2 of 5
+    engine.step()  # a prefill step of 6 rows: prompt 0 done, prompt 1 at 1 of 5
+    engine.step()  # request 0 decodes before the next chunk
+    engine.step()  # prefill: prompt 1 done, prompt 2 at 2 of 5
     assert [r.num_prefilled for r in engine.scheduler.running] == [5, 5, 2]
     usage = engine.pool_usage()
     assert usage.running == 3 and usage.waiting == 2 and usage.free_slots == 0 and usage.free_ring_slots == 0

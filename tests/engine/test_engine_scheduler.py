@@ -106,19 +106,33 @@ def test_chunked_prefill_continues_unfinished_prompts_first_within_the_budget():
     assert isinstance(plan, DecodePlan) and plan.reqs == [long, short, third]
 
 
-def test_decode_waits_while_a_prompt_can_advance():
+def test_decode_steps_go_between_the_chunks_of_a_long_prompt():
+    """A request decoding while a 9-token prompt prefills in chunks of 4 waits one chunk at a time; with nothing
+    decoding, the chunks run back to back."""
     s = scheduler(max_num_batched_tokens=4)
     a, b = req(0, 2, 5), req(1, 9, 5)
     s.add(a)
     run_prefill(s, s.schedule())
     s.add(b)
     kinds = []
-    for _ in range(4):
+    for _ in range(6):
         plan = s.schedule()
         kinds.append(type(plan).__name__)
         if isinstance(plan, PrefillPlan):
             run_prefill(s, plan)
-    assert kinds == ["PrefillPlan", "PrefillPlan", "PrefillPlan", "DecodePlan"]
+        else:
+            assert plan.reqs == [r for r in (a, b) if r.prefill_done]
+            for r in plan.reqs:
+                r.output_ids.append(1)
+    assert kinds == ["DecodePlan", "PrefillPlan"] * 3  # a decoded first: the step before was a prefill (its own)
+    c = req(2, 9, 5)
+    s.finish(a, "stop")
+    s.finish(b, "stop")
+    s.add(c)
+    plans = [s.schedule() for _ in range(3)]
+    for plan in plans:
+        assert isinstance(plan, PrefillPlan)
+        run_prefill(s, plan)
 
 
 def test_k_shrinks_near_the_end_and_is_zero_with_one_token_left():
