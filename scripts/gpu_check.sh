@@ -12,7 +12,8 @@
 #      seed's tokens per step simulated (timing only; BENCH_SIM overrides, BENCH_SIM= turns it off);
 #      BENCH_SHAPES, BENCH_TOKENS, BENCH_FLAGS change it;
 #   6. print a short summary table last (after stage 7 when it runs).
-#   7. with SERVE_LOAD=1, bench/load_serve.py against `ft serve` (MoE shape, dummy weights, loopback);
+#   7. with SERVE_LOAD=1, bench/load_serve.py against `ft serve` (MoE shape, dummy weights, loopback); with
+#      MULTI_TURN=1, its multi-turn chat workload with the prefix cache on and off (MoE shape, DFlash k=7);
 # SKIP_CONFORMANCE=1 / SKIP_KERNELS=1 / SKIP_BENCH=1 skip a stage. Seen on the H200 (2026-12-01): the kernel
 # benches take ~2.5 min (2026-12-02: bench_skinny_linear adds ~2.3 min, three times that since its prefetch variants (2026-12-04: six shape and row-count cases in 6 min), bench_ring_attention ~40 s), ft bench ~5 min a shape, so with conformance the lane outgrows one 10-minute
 # device call: run it as two or three calls (e.g. SKIP_BENCH=1, then SKIP_CONFORMANCE=1 SKIP_KERNELS=1). Results land in $OUT (the device tool
@@ -81,6 +82,14 @@ if [ -n "${SERVE_LOAD:-}" ]; then  # ft serve under a bounded loopback load, on 
     2>&1 | tee "$out/serve-load.log" || serve_rc=1
 fi
 
+multi_rc=0
+if [ -n "${MULTI_TURN:-}" ]; then  # the prefix cache on a multi-turn chat (issue 33): cache on and off, DFlash k=7
+  python3 bench/load_serve.py --multi-turn --compare-no-cache --out "$out/multi-turn.json" -- \
+    --model bench/shapes/qwen3.5-35b-a3b --speculative-algorithm dflash \
+    --speculative-draft-model-path bench/shapes/qwen3.5-35b-a3b-dflash2 --load-format dummy \
+    --max-running-requests 8 --max-model-len 4096 2>&1 | tee "$out/multi-turn.log" || multi_rc=1
+fi
+
 echo
 echo "== summary =="
 printf "%-28s %s\n" "gpu" "$(head -1 "$out/gpu.txt")"
@@ -93,4 +102,5 @@ for d in "$out"/bench-*/; do
   [ -f "$d/bench.md" ] && { echo "-- $(basename "$d")"; grep '^|' "$d/bench.md" | cut -c1-160; }
 done
 [ -n "${SERVE_LOAD:-}" ] && printf "%-28s %s\n" "serve load rc" "$serve_rc" && tail -14 "$out/serve-load.log"
-exit $(( conf_rc != 0 || kernels_rc != 0 || bench_rc != 0 || serve_rc != 0 ))
+[ -n "${MULTI_TURN:-}" ] && printf "%-28s %s\n" "multi-turn rc" "$multi_rc" && grep '^|' "$out/multi-turn.log" | head -14
+exit $(( conf_rc != 0 || kernels_rc != 0 || bench_rc != 0 || serve_rc != 0 || multi_rc != 0 ))
