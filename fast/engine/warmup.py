@@ -28,6 +28,7 @@ import time
 from dflash2.reference.request.sampling_params import SamplingParams
 
 from .engine import Engine
+from .prefix_cache import PrefixStats
 
 
 def warm_up(engine: Engine) -> dict:
@@ -67,7 +68,8 @@ def warm_up(engine: Engine) -> dict:
             if out.error is not None:
                 raise RuntimeError(f"warm-up request failed: {out.error}")
         requests += len(turns)
-        engine.clear_prefix_cache()  # serving starts from an empty cache
+        engine.clear_prefix_cache()  # serving starts from an empty cache and counts only its own lookups
+        engine.prefix_cache.stats = PrefixStats()
     if policy is not None:  # keep the step costs measured, not the warm-up prompts' acceptance
         engine.scheduler.depth = policy.choose
         policy.forget_acceptance()

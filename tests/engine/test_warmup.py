@@ -33,14 +33,18 @@ def test_warm_up_steps_every_bucket_and_leaves_the_engine_idle(stack, algorithm)
     runner.graphs = TargetGraphs(runner.target, runner.pools, max_seqs=5, max_pages=max_pages)
     if algorithm != "none":
         runner.step_graphs = StepGraphs(runner.spec, max_seqs=5, max_pages=max_pages)
+    restores = []
+    load = engine.model.snapshots.load
+    engine.model.snapshots.load = lambda *args: (restores.append(len(args[0])), load(*args))
     report = warm_up(engine)
     assert report["requests"] == 10 + 5 and report["seconds"] > 0  # two waves, then a prefix-cache hit each
+    assert sum(restores) == 5  # the restore path ran (and compiled) for each
     keys = runner.graphs.graphs if algorithm == "none" else runner.step_graphs.graphs
     assert {key.num_seqs for key in keys} == set(buckets(5))
     if algorithm != "none":
         assert {key.sampling.any_sampled for key in keys} == {False, True}
-    assert engine.prefix_cache.stats.hits > 0  # the restore path ran
-    assert engine.pool_usage().idle and engine.pool_usage().snapshots == 0  # and serving starts with an empty cache
+    assert report["requests"] == 15 and engine.prefix_cache.stats.queries == 0  # serving counts its own lookups
+    assert engine.pool_usage().idle and engine.pool_usage().snapshots == 0  # and starts with an empty cache
 
 
 def test_an_adaptive_depth_warms_up_every_depth_and_keeps_their_costs(stack):
