@@ -80,6 +80,11 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     for switch in SPEED_SWITCHES:  # EngineConfig's speed switches, each on by default: --no-side-stream, ...
         p.add_argument(f"--{switch.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=True,
                        help=f"EngineConfig.{switch} (A/B timing; the tokens are the same either way)")
+    p.add_argument("--memory-ratio", "--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA: the fraction of device memory weights and caches may use (default: EngineConfig's)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="EngineConfig.prefix_caching (its snapshot slots come out of the cache budget; each timed run "
+                        "starts with an empty cache)")
     p.add_argument("--profile", action="store_true", help="add each run's top kernels by GPU time (torch profiler)")
     p.set_defaults(func=run_bench)
 
@@ -121,5 +126,7 @@ def run_bench(args: argparse.Namespace) -> int:
                            extra={"enforce_eager": args.enforce_eager,
                                   "speculative_depth": args.speculative_depth,
                                   **({"cpu_cache_bytes": args.cpu_cache_bytes} if args.cpu_cache_bytes else {}),
+                                  **({"memory_ratio": args.memory_ratio} if args.memory_ratio is not None else {}),
+                                  "prefix_caching": args.prefix_caching,
                                   **{switch: getattr(args, switch) for switch in SPEED_SWITCHES}})
     return main(bench_args)

@@ -178,7 +178,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 parser.add_argument("--disable-overlap-schedule", dest=name, action="store_false",
                                     help="fast engine: the same as --no-overlap-schedule")
             continue
-        parser.add_argument(flag, type=types.get(name, int), default=default, choices=choices.get(name),
+        aliases = ["--gpu-memory-utilization"] if name == "memory_ratio" else []  # vLLM's name for it
+        parser.add_argument(flag, *aliases, type=types.get(name, int), default=default, choices=choices.get(name),
                             help=f"fast engine (default: {default})")
 
 

@@ -202,3 +202,25 @@ def test_the_step_clock_counts_the_steps_collected_under_overlap_scheduling():
         runner.collect(None)
     assert len(clock.times["verify"]) == 4 and len(hooks) == 4
     assert clock.accepted == [2, 0] + [1, 3] * 3
+
+
+def test_memory_ratio_and_prefix_caching_reach_the_engine(tiny, tmp_path, monkeypatch):
+    """``--gpu-memory-utilization`` (vLLM's name) or ``--memory-ratio``, and ``--no-prefix-caching``, set the
+    EngineConfig fields; by default the engine's memory ratio and prefix caching on."""
+    import dflash2.bench.run as bench_run
+
+    seen: list[dict] = []
+    real_llm = bench_run.LLM
+
+    def recording_llm(*args, **kwargs):
+        seen.append({k: kwargs.get(k) for k in ("memory_ratio", "prefix_caching")})
+        return real_llm(*args, **kwargs)
+
+    monkeypatch.setattr(bench_run, "LLM", recording_llm)
+    target, _ = tiny
+    common = ["bench", "--model", str(target), "--load-format", "dummy", "--runs", "off:1:9", "--max-tokens", "4"]
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    assert main([*common, "--gpu-memory-utilization", "0.9", "--no-prefix-caching", "--out", str(tmp_path / "b")]) == 0
+    assert main([*common, "--memory-ratio", "0.8", "--out", str(tmp_path / "c")]) == 0
+    assert seen == [{"memory_ratio": None, "prefix_caching": True}, {"memory_ratio": 0.9, "prefix_caching": False},
+                    {"memory_ratio": 0.8, "prefix_caching": True}]
