@@ -57,7 +57,8 @@ def summary(engine, name: str) -> str:
             f"draft memory {draft:.1f} MiB, device {cfg.device}, dtype {cfg.dtype}, "
             f"{cfg.max_running_req} running requests at most, max_model_len {engine.max_model_len}, "
             + (f"prefix cache {plan.num_snapshots} snapshot slots ({plan.num_snapshots * plan.snapshot_bytes / MiB:.1f} "
-               f"MiB) every {cfg.prefix_snapshot_interval} tokens" if plan.num_snapshots else "no prefix cache"))
+               f"MiB; {engine.model.num_checkpoints} of them request checkpoints) every {cfg.prefix_snapshot_interval} "
+               "tokens" if plan.num_snapshots else "no prefix cache"))
 
 
 def run_serve(config: EngineConfig, settings: ServeSettings, *, model_given: str | None = None) -> int:
