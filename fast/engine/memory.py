@@ -110,19 +110,24 @@ def cache_budget_bytes(cfg: EngineConfig, device: torch.device) -> int:
 
 def plan_memory(budget_bytes: int, *, page_size: int, num_slots: int, max_model_len: int, kv_bytes_per_token: int,
                 state_bytes_per_slot: int, draft_bytes_per_slot: int = 0, workspace_bytes: int = 0,
-                budget_field: str = "memory_ratio", num_snapshots: int = 0, snapshot_bytes: int = 0) -> MemoryPlan:
-    """Workspace, slots, snapshot slots, then pages; refuse a budget that cannot hold the slots and one page."""
+                budget_field: str = "memory_ratio", num_snapshots: int = 0, snapshot_bytes: int = 0,
+                device_total_bytes: int | None = None) -> MemoryPlan:
+    """Workspace, slots, snapshot slots, then pages; refuse a budget that cannot hold the slots and one page,
+    saying by how much it falls short (and, given ``device_total_bytes``, as a fraction of the device)."""
     slot_bytes = num_slots * (state_bytes_per_slot + draft_bytes_per_slot) + workspace_bytes
     slot_bytes += num_snapshots * snapshot_bytes
     page_bytes = page_size * kv_bytes_per_token
     num_pages = max(0, budget_bytes - slot_bytes) // page_bytes if page_bytes else 0
     num_pages = min(num_pages, num_slots * pages_for(max_model_len, page_size))
     if num_pages < 1:
+        short = slot_bytes + page_bytes - budget_bytes
+        by = f" (+{short / device_total_bytes:.3f} of the device's memory)" if device_total_bytes else ""
         raise ConfigError(
             f"{budget_field}: the cache budget of {budget_bytes / MiB:.1f} MiB holds {num_slots} state slots and "
             f"{num_snapshots} prefix-cache snapshot slots ({slot_bytes / MiB:.1f} MiB with a "
-            f"{workspace_bytes / MiB:.1f} MiB draft workspace) and no KV page ({page_bytes} bytes each): expected a "
-            "larger budget, a smaller max_running_req or fewer prefix_snapshots")
+            f"{workspace_bytes / MiB:.1f} MiB draft workspace) and no KV page ({page_bytes} bytes each), "
+            f"{short / MiB:.1f} MiB short of one: expected {budget_field} raised by at least that{by}, a smaller "
+            "max_running_req or fewer prefix_snapshots")
     return MemoryPlan(budget_bytes, page_size, num_pages, num_slots, kv_bytes_per_token, state_bytes_per_slot,
                       draft_bytes_per_slot, workspace_bytes, num_snapshots, snapshot_bytes)
 

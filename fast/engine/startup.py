@@ -119,7 +119,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         kv_bytes_per_token=kv_bytes_per_token(target_cfg, dtype, use_mtp), state_bytes_per_slot=state_bytes,
         draft_bytes_per_slot=ring_bytes + window_bytes, workspace_bytes=workspace,
         budget_field="memory_ratio" if device.type == "cuda" else "cpu_cache_bytes",
-        num_snapshots=num_snapshots + num_checkpoints, snapshot_bytes=snapshot_bytes)
+        num_snapshots=num_snapshots + num_checkpoints, snapshot_bytes=snapshot_bytes,
+        device_total_bytes=torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
     log_plan(plan, draft_ring_bytes=ring_bytes, draft_window_bytes=window_bytes)
     pools = CachePools(target_cfg, plan.num_pages, cfg.page_size, num_slots, k + 1, dtype, device,
                        mtp=use_mtp)
