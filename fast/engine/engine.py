@@ -42,9 +42,9 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections import Counter
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -56,11 +56,11 @@ from dflash2.reference.request.trace import StepRecord
 from .config import EngineConfig
 from ..speculative.depth import depth_policy
 from ..speculative.step import SpeculativeStep
+from .checkpoints import Checkpoints
 from .graph_step import TargetGraphs
 from .logprobs import TokenLogprob
-from .runner import ModelRunner
-from .checkpoints import Checkpoints
 from .prefix_cache import PrefixCache
+from .runner import ModelRunner
 from .scheduler import PrefillPlan, Req, ReqStatus, Restore, Scheduler, pages_for
 from .startup import LoadedModel, load_model
 
