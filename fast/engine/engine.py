@@ -418,12 +418,12 @@ class Engine:
                     chunk.req.first_token_s = time.perf_counter()
                     deltas.append(self._commit(chunk.req, [token], lp))
         elif self.model.k:
-            started = time.perf_counter()
+            started, captures = time.perf_counter(), self._captures()
             wanted = self._wanted_logprobs(plan.reqs)
             launch_next = self._launch_next if self.config.overlap_schedule and wanted is None else None
             results = self.runner.verify(plan, top_logprobs=wanted, launch_next=launch_next)
-            deltas = self._commit_verify(plan.reqs, plan.ks, results, time.perf_counter() - started,
-                                         self.runner.logprobs)
+            seconds = time.perf_counter() - started if self._captures() == captures else None
+            deltas = self._commit_verify(plan.reqs, plan.ks, results, seconds, self.runner.logprobs)
         else:
             tokens = self.runner.decode(plan, top_logprobs=self._wanted_logprobs(plan.reqs))
             logprobs = self.runner.logprobs or [None] * len(plan.reqs)
@@ -480,13 +480,13 @@ class Engine:
     def _collect(self) -> list[RequestDelta]:
         """Commit the step in flight (overlap scheduling) for its requests still live; it may launch the next."""
         flight = self.runner.in_flight
-        started = time.perf_counter()
+        started, captures = time.perf_counter(), self._captures()
         self._collecting = True
         try:
             results = self.runner.collect(self._launch_next)
         finally:
             self._collecting = False
-        seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - started if self._captures() == captures else None
         live = [(req, result) for req, result in zip(flight.reqs, results) if not req.finished]
         deltas = self._commit_verify([req for req, _ in live], [flight.k] * len(live), [r for _, r in live], seconds)
         self.scheduler.finished.clear()
@@ -508,9 +508,15 @@ class Engine:
             self.checkpoints.take(reqs, step_in_flight=self._collecting)
         return True
 
-    def _commit_verify(self, reqs: Sequence[Req], ks: Sequence[int], results, seconds: float,
+    def _captures(self) -> int:
+        """CUDA graphs captured so far (decode and speculative steps): a step that adds one is no measure of its
+        cost (the depth policy drops its time)."""
+        return sum(len(g.graphs) for g in (self.runner.graphs, self.runner.step_graphs) if g is not None)
+
+    def _commit_verify(self, reqs: Sequence[Req], ks: Sequence[int], results, seconds: float | None,
                        logprobs: list | None = None) -> list[RequestDelta]:
-        """A speculative step's results: the depth policy's record, then each request's committed tokens."""
+        """A speculative step's results: the depth policy's record (``seconds`` None: the step's time is no measure
+        of its cost), then each request's committed tokens."""
         if reqs:
             self.depth.record(len(reqs), max(ks), seconds, ks, [r.num_accepted for r in results])
         deltas = []

@@ -17,7 +17,10 @@ Both factors are measured, not assumed:
   size), so a change in the text or the sampling settles within a few dozen steps;
 - T(B, k) as a decayed mean of the step's wall time per (batch bucket, k): the engine times each uniform step
   (host work included: it is what a request waits for). A bucket's depth is tried on first use, its first
-  sample dropped (a first step compiles kernels or captures a graph), and after that every
+  sample dropped (a first step compiles kernels or captures a graph), as is any later step that captured a
+  graph (the engine passes ``seconds=None``: a new page bucket or sampling mix of the same depth would
+  otherwise price the depth at a capture's cost, and the policy would shun it until explored again), and after
+  that every
   ``explore_every`` steps of a bucket its least recently measured depth runs once, so a cost that changed is
   seen again; the exploration costs at most one step in ``explore_every``.
 
@@ -64,7 +67,8 @@ class FixedDepth:
     def choose(self, num_seqs: int) -> int:
         return self.k
 
-    def record(self, num_seqs: int, k: int, seconds: float, ks: Sequence[int], num_accepted: Sequence[int]) -> None:
+    def record(self, num_seqs: int, k: int, seconds: float | None, ks: Sequence[int],
+               num_accepted: Sequence[int]) -> None:
         pass
 
 
@@ -122,9 +126,11 @@ class AdaptiveDepth:
         self.chosen[depth] += 1
         return depth
 
-    def record(self, num_seqs: int, k: int, seconds: float, ks: Sequence[int], num_accepted: Sequence[int]) -> None:
-        """A step of depth ``k`` over ``num_seqs`` requests took ``seconds``; request b drafted ``ks[b]`` and kept
-        ``num_accepted[b]``. Only a uniform step (every ks[b] == k) says what depth k costs."""
+    def record(self, num_seqs: int, k: int, seconds: float | None, ks: Sequence[int],
+               num_accepted: Sequence[int]) -> None:
+        """A step of depth ``k`` over ``num_seqs`` requests took ``seconds`` (None: not a measure of its cost, e.g.
+        it captured a graph); request b drafted ``ks[b]`` and kept ``num_accepted[b]``. Only a uniform step (every
+        ks[b] == k) says what depth k costs."""
         bucket = batch_bucket(num_seqs)
         steps = self.bucket_steps[bucket] = self.bucket_steps.get(bucket, 0) + 1
         ks_arr, kept = np.asarray(ks), np.asarray(num_accepted)
@@ -135,7 +141,7 @@ class AdaptiveDepth:
             decay = 0.5 ** (1.0 / self.half_life)
             self.accepted = self.accepted * decay + passed
             self.tested = self.tested * decay + tested
-        if ks_arr.size and (ks_arr == k).all():
+        if seconds is not None and ks_arr.size and (ks_arr == k).all():
             cost = self.costs.setdefault((bucket, k), _Cost())
             cost.samples += 1
             cost.last_step = steps

@@ -103,3 +103,13 @@ def test_fixed_depth_and_refusals():
         depth_policy("deep", 5)
     with pytest.raises(ValueError, match="depths=\\(0, 9\\)"):
         AdaptiveDepth(7, depths=(0, 9))
+
+
+def test_a_step_that_captured_a_graph_prices_nothing_but_feeds_the_acceptance():
+    """``seconds=None`` (the engine's mark of a step that captured a graph): no cost sample, but the acceptance counts."""
+    policy = AdaptiveDepth(7)
+    for seconds in (9.0, 1.0):  # the first sample of (bucket 2, depth 7) is dropped, the second kept
+        policy.record(2, 7, seconds, [7, 7], [0, 0])
+    policy.record(2, 7, None, [7, 7], [7, 7])  # a new page bucket's capture: 50x the step
+    assert policy.costs[(2, 7)].seconds == 1.0 and policy.costs[(2, 7)].samples == 2
+    assert policy.accepted[0] > 0.5 * 2  # the two requests that kept all seven still count
