@@ -12,6 +12,8 @@ from dflash2.fast.engine.config import LOAD_FORMATS, SPECULATIVE_DEPTHS, SPEED_S
 from dflash2.reference.formats.errors import UserInputError
 from dflash2.reference.request.sampling_params import SamplingParams
 
+SEED = "seed"  # bench/simulated.py's SEED (not imported here: it pulls in torch, and parsing flags need not)
+
 SETTING_NAMES = ("off", "mtp3", "mtp7", "dflash3", "dflash7")
 
 
@@ -23,6 +25,15 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
     return values
+
+
+def _simulate(text: str) -> float | str:
+    if text == SEED:
+        return SEED
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected tokens per step (a number) or 'seed'") from None
 
 
 def _settings(text: str) -> list[str]:
@@ -58,9 +69,11 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--runs", type=_runs, default=None,
                    help="explicit runs setting:concurrency:prompt_len,... instead of the cross product of the three lists")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default: 128)")
-    p.add_argument("--simulate-tokens-per-step", type=float, default=None,
+    p.add_argument("--simulate-tokens-per-step", type=_simulate, default=None,
                    help="TIMING ONLY: verify keeps drafts so the mean committed tokens per step is this "
-                        "(e.g. the seed's 5.47); random weights accept nothing")
+                        "(e.g. the seed's 5.47), or 'seed': each setting at the seed's own figure for the target's "
+                        "family (MTP k=3/k=7 3.10/4.51 dense, 3.25/4.52 MoE; DFlash k=3/k=7 3.40/5.47, 3.52/5.39); "
+                        "random weights accept nothing")
     p.add_argument("--out", default=None, help="results folder (default: bench/results/<date>-<gpu>)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--cpu-cache-bytes", type=int, default=None,
@@ -111,8 +124,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if any(SETTINGS[s][0] == "dflash" for s, _, _ in runs) and not args.draft:
         raise UserInputError(f"settings={','.join(sorted({s for s, _, _ in runs}))}: the dflash settings need --draft "
                              "(a DFlash 2 draft folder)")
-    if args.simulate_tokens_per_step is not None and not 1.0 <= args.simulate_tokens_per_step <= 8.0:
-        raise UserInputError(f"simulate_tokens_per_step={args.simulate_tokens_per_step}: expected 1 .. k+1")
+    sim = args.simulate_tokens_per_step
+    if sim is not None and sim != SEED and not 1.0 <= sim <= 8.0:
+        raise UserInputError(f"simulate_tokens_per_step={sim}: expected 1 .. k+1 or 'seed'")
     if args.max_tokens < 2:
         raise UserInputError(f"max_tokens={args.max_tokens}: expected an integer >= 2")
     SamplingParams(temperature=args.temperature, top_p=args.top_p).validate()  # the field and value when refused

@@ -60,7 +60,11 @@ def markdown(result: dict) -> str:
     sampled = {(r.get("temperature", 0.0), r.get("top_p", 1.0)) for r in result["runs"]}
     lines.append("- sampling: " + ", ".join("greedy" if t == 0 else f"temperature {t}, top-p {p}, seed i for request i"
                                             for t, p in sorted(sampled)))
-    if sim is not None:
+    if sim == "seed":
+        lines.append("- **simulated acceptance (timing only)**: each verify keeps drafts so that the mean is the "
+                     "seed's own committed tokens per step for its setting and target family (the tok/step column); "
+                     "random weights accept nothing on their own")
+    elif sim is not None:
         lines.append(f"- **simulated acceptance (timing only)**: each verify keeps drafts so that the mean is "
                      f"{sim} committed tokens per step; random weights accept nothing on their own")
     lines += ["", "Step: median host wall time of the decode (off) or verify step, each ending on its one "

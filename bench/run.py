@@ -46,7 +46,7 @@ from dflash2.reference.formats.draft_config import load_draft_config
 
 from .floors import dflash_draft_bytes, mtp_draft_bytes, target_step_bytes
 from .measure import copy_bandwidth, graph_seconds
-from .simulated import SimulatedAcceptance, SimulatedVerifier
+from .simulated import SimulatedAcceptance, SimulatedVerifier, tokens_per_step
 
 SETTINGS = {"off": ("none", None), "mtp3": ("mtp", 3), "mtp7": ("mtp", 7), "dflash3": ("dflash", 3),
             "dflash7": ("dflash", 7)}
@@ -59,7 +59,7 @@ class BenchArgs:
     load_format: str
     runs: list[tuple[str, int, int]]  # (setting, concurrency, prompt_len)
     max_tokens: int
-    simulate_tokens_per_step: float | None
+    simulate_tokens_per_step: float | str | None  # a float, "seed" (each setting at the seed's own), or None
     out_dir: Path
     seed: int = 0
     command: str = ""
@@ -133,9 +133,9 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
     engine = llm.engine
     runner, model = engine.runner, engine.model
     simulated = None
-    if args.simulate_tokens_per_step is not None and algorithm != "none":
-        simulated = SimulatedVerifier(runner.spec.verifier, SimulatedAcceptance(args.simulate_tokens_per_step),
-                                      runner.device)
+    simulate = tokens_per_step(args.simulate_tokens_per_step, setting, model.target_cfg.is_moe)
+    if simulate is not None:
+        simulated = SimulatedVerifier(runner.spec.verifier, SimulatedAcceptance(simulate), runner.device)
         runner.spec.verifier = simulated
     clock = StepClock(runner, before_verify=simulated.next_step if simulated is not None else None)
     gen = torch.Generator().manual_seed(prompt_len * 1000 + concurrency)
@@ -189,8 +189,7 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
     row = {
         "setting": setting, "algorithm": algorithm, "k": k, "concurrency": concurrency, "prompt_len": prompt_len,
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-        "simulated_tokens_per_step": args.simulate_tokens_per_step
-        if algorithm != "none" else None,
+        "simulated_tokens_per_step": simulate,
         "step": step_kind, "steps": steps, "step_ms_median": 1e3 * statistics.median(step_times) if steps else None,
         "step_ms_mean": 1e3 * decode_s / steps if steps else None,
         "floor_ms": 1e3 * floor_bytes / bandwidth, "tokens_per_s": tokens / decode_s if decode_s else None,

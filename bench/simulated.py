@@ -25,6 +25,26 @@ from dflash2.fast.speculative.proposer import DraftProposal
 from dflash2.fast.speculative.verify import Verifier, VerifyOutput
 
 
+SEED = "seed"  # --simulate-tokens-per-step seed (bench/cli.py): each setting at the seed's own tokens per step
+# The seed's measured tokens per verify step (its "All settings" table: one request, AIME25 problem 1, temperature 1,
+# top-p 0.95, top-k 20, bf16; ../shared/seed), by target family: the dense 27B and the MoE 35B-A3B. Real shapes
+# with dummy weights take their family's row, so MTP and DFlash compare as the seed's table does.
+SEED_TOKENS_PER_STEP = {
+    "dense": {"mtp3": 3.10, "mtp7": 4.51, "dflash3": 3.40, "dflash7": 5.47},
+    "moe": {"mtp3": 3.25, "mtp7": 4.52, "dflash3": 3.52, "dflash7": 5.39},
+}
+
+
+def tokens_per_step(simulate: float | str | None, setting: str, is_moe: bool) -> float | None:
+    """The simulated tokens per step of ``setting``: ``simulate`` itself, the seed's figure for the setting and the
+    target's family (``SEED``), or None (real acceptance; also for plain decoding)."""
+    if simulate is None or setting not in SEED_TOKENS_PER_STEP["dense"]:
+        return None
+    if simulate == SEED:
+        return SEED_TOKENS_PER_STEP["moe" if is_moe else "dense"][setting]
+    return float(simulate)
+
+
 class SimulatedAcceptance:
     """Drafts kept per verify step so the running mean of committed tokens per step tracks ``target``.
 

@@ -9,7 +9,8 @@
 #   4. run the kernel micro-benchmarks (bench/kernels/bench_*.py), each beside its floor;
 #   5. run `ft bench` at the real shapes (bench/shapes/, --load-format dummy) over BENCH_RUNS
 #      (setting:concurrency:prompt_len,...; the default below covers the figures), with the
-#      seed's tokens per step simulated (timing only; BENCH_SIM overrides, BENCH_SIM= turns it off);
+#      seed's tokens per step of each setting simulated (timing only; `--simulate-tokens-per-step seed`;
+#      BENCH_SIM overrides, BENCH_SIM= turns it off);
 #      BENCH_SHAPES, BENCH_TOKENS, BENCH_FLAGS change it;
 #   6. print a short summary table last (after stage 7 when it runs).
 #   7. with SERVE_LOAD=1, bench/load_serve.py against `ft serve` (MoE shape, dummy weights, loopback); with
@@ -63,8 +64,8 @@ default_runs=off:1:512,off:1:4096,mtp3:1:4096,mtp7:1:4096,dflash3:1:4096,dflash7
 default_runs=$default_runs,off:4:512,dflash7:4:512,off:16:512,dflash7:16:512
 if [ -z "${SKIP_BENCH:-}" ]; then
   for shape in ${BENCH_SHAPES:-qwen3.5-35b-a3b qwen3.5-27b}; do
-    case "$shape" in  # the seed's measured tokens per verify step for this family (DFlash k=7, AIME25)
-      *27b) sim=5.47 ;; *35b-a3b) sim=5.39 ;; *) sim= ;;
+    case "$shape" in  # each setting at the seed's measured tokens per verify step for this family (AIME25)
+      *27b|*35b-a3b) sim=seed ;; *) sim= ;;
     esac
     sim=${BENCH_SIM-$sim}
     python3 -m dflash2.cli bench --model "bench/shapes/$shape" --draft "bench/shapes/$shape-dflash2" \

@@ -224,3 +224,20 @@ def test_memory_ratio_and_prefix_caching_reach_the_engine(tiny, tmp_path, monkey
     assert main([*common, "--memory-ratio", "0.8", "--out", str(tmp_path / "c")]) == 0
     assert seen == [{"memory_ratio": None, "prefix_caching": True}, {"memory_ratio": 0.9, "prefix_caching": False},
                     {"memory_ratio": 0.8, "prefix_caching": True}]
+
+
+def test_seed_acceptance_simulates_each_setting_at_its_own_figure(tiny, tmp_path):
+    """``--simulate-tokens-per-step seed``: MTP and DFlash each at the seed's tokens per step for the target's family
+    (the tiny MoE: 3.25 for MTP k=3, 5.39 for DFlash k=7), plain decoding at none; a bad value exits 2."""
+    target, draft = tiny
+    out = tmp_path / "seed"
+    assert main(["bench", "--model", str(target), "--draft", str(draft), "--load-format", "dummy",
+                 "--runs", "off:1:9,mtp3:1:9,dflash7:1:9", "--max-tokens", "120", "--simulate-tokens-per-step", "seed",
+                 "--out", str(out)]) == 0
+    runs = {r["setting"]: r for r in json.loads((out / "bench.json").read_text())["runs"]}
+    assert [runs[s]["simulated_tokens_per_step"] for s in ("off", "mtp3", "dflash7")] == [None, 3.25, 5.39]
+    assert runs["mtp3"]["tokens_per_step"] == pytest.approx(3.25, abs=0.3)
+    assert runs["dflash7"]["tokens_per_step"] == pytest.approx(5.39, abs=0.5)
+    assert "seed's own committed tokens per step" in (out / "bench.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["bench", "--model", str(target), "--simulate-tokens-per-step", "lots", "--out", str(tmp_path / "x")])
