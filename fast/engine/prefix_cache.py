@@ -18,17 +18,21 @@ far, so the next turn of a chat hits it).
 
 Layout: a trie over full pages. A node stands for a page-aligned prefix: its parent's prefix plus one
 page of P tokens, compared as exact tuples (no hash collisions to reason about), and holds that page.
-A snapshot at b hangs on the node of its ``b // P`` full pages with its tail, the ``b mod P`` tokens
-past them, whose partial page it owns. A node keeps its page while any snapshot lies at or below it;
+A snapshot at b hangs on the node of its ``b // P`` full pages (``(b - 1) // P`` with an MTP head, below)
+with its tail, the tokens past them, whose page it owns. A node keeps its page while any snapshot lies at or below it;
 pages that no snapshot covers are useless for a hybrid target (no state to resume from) and are never
 kept.
 
+With an MTP head (``rewrites_last_row``) a page's last row is the MTP pair (h_p, t_{p+1}), which reads
+the first token of the next page: a node's key is then its page's tokens and that next token, so only
+prefixes that continue alike share it, and a snapshot's last page is always its tail (1 to P tokens:
+the pair at b-1 reads token b, beyond the snapshot, and is rewritten by the resumed prefill).
+
 A hit: the snapshot with the longest prefix of the prompt, at b <= len(prompt) - 1 (one token always
-runs through the target, for the next token's logits). The request shares the pages wholly before
-position ``b - 1`` (``- 1`` only with an MTP head, whose pair at b-1 reads token b: that row is
-rewritten by the resumed prefill, so its page must be private) and gets a private copy of the page
-holding the rest, up to b-1 (a partial tail, or the last full page for MTP); it writes only positions
->= b, into pages of its own, so shared pages are never written.
+runs through the target, for the next token's logits). The request shares the trie's pages of its path
+and gets a private copy of the snapshot's tail page (positions up to b-1 past the full pages, which its
+prefill extends, and for MTP rewrites at b-1); it writes only positions >= b (and, for MTP, b-1) into
+pages of its own, so shared pages are never written.
 
 Pages are refcounted by the allocator (``scheduler.PageAllocator``): one reference per running request
 that holds the page and one per cache holder (a node, a snapshot's tail). Eviction is LRU over
@@ -49,7 +53,7 @@ class _Node:
     """A page-aligned prefix: the parent's tokens plus ``tokens`` (one page), stored in ``page``."""
 
     parent: _Node | None
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...]  # the key: the page's tokens (and, with an MTP head, the next page's first)
     page: int  # -1 for the root (the empty prefix)
     depth: int  # full pages from the root
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
@@ -69,21 +73,22 @@ class _Node:
 class Snapshot:
     """A resumable prefix of ``length`` tokens: the state in snapshot slot ``slot`` and the pages below it."""
 
-    node: _Node  # the last full page of the prefix (the root when length < P)
-    tail: tuple[int, ...]  # the tokens past the node's full pages (length mod P of them)
+    node: _Node  # the last shared page of the prefix (the root when there is none)
+    tail: tuple[int, ...]  # the tokens past the node's pages (length mod P of them; 1 to P with an MTP head)
     tail_page: int  # the page holding the tail (-1: no tail)
     slot: int  # snapshot slot index, 0 .. num_slots - 1
     length: int
 
     def pages(self) -> list[int]:
-        """The pages of positions 0..length-1, in order."""
+        """The pages of positions 0..length-1, in order (the tail's last)."""
         pages = [n.page for n in self.node.path()]
         return pages + [self.tail_page] if self.tail else pages
 
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """How a prompt resumes from ``snapshot``: ``pages[:num_shared]`` shared, ``pages[num_shared]`` (if any) copied."""
+    """How a prompt resumes from ``snapshot``: ``pages[:num_shared]`` shared (the trie's), ``pages[num_shared]`` (the
+    tail's, if any) copied."""
 
     snapshot: Snapshot
     pages: list[int]  # the snapshot's pages, covering positions 0..length-1
@@ -128,12 +133,21 @@ class PrefixCache:
 
     # ---- lookups --------------------------------------------------------------------------------
 
+    @property
+    def _extra(self) -> int:
+        """Tokens of the next page in a node's key: 1 with an MTP head (its page's last row reads it), else 0."""
+        return int(self.rewrites_last_row)
+
+    def _num_shared(self, length: int) -> int:
+        """Pages of a ``length``-token prefix that are trie nodes: those whose key lies within it."""
+        return max(0, length - self._extra) // self.page_size
+
     def _walk(self, tokens: Sequence[int], limit: int):
-        """The nodes along ``tokens``' full pages within ``limit`` tokens, from the root."""
+        """The nodes along ``tokens`` whose keys lie within its first ``limit`` tokens, from the root."""
         node, p = self.root, self.page_size
         yield node
-        while (node.depth + 1) * p <= limit:
-            node = node.children.get(tuple(tokens[node.depth * p:(node.depth + 1) * p]))
+        while (node.depth + 1) * p + self._extra <= limit:
+            node = node.children.get(tuple(tokens[node.depth * p:(node.depth + 1) * p + self._extra]))
             if node is None:
                 return
             yield node
@@ -149,15 +163,14 @@ class PrefixCache:
                         best = snap
         if best is None:
             return None
-        keep_from = best.length - 1 if self.rewrites_last_row else best.length
-        return PrefixHit(best, best.pages(), keep_from // self.page_size)
+        return PrefixHit(best, best.pages(), best.node.depth)
 
     def find(self, tokens: Sequence[int]) -> Snapshot | None:
         """The snapshot of exactly ``tokens``, if one is kept."""
         node = None
         for node in self._walk(tokens, len(tokens)):
             pass
-        if node is None or node.depth != len(tokens) // self.page_size:
+        if node is None or node.depth != self._num_shared(len(tokens)):
             return None
         return node.snapshots.get(tuple(tokens[node.depth * self.page_size:]))
 
@@ -194,8 +207,8 @@ class PrefixCache:
         assert self.find(tokens) is None, "a snapshot of these tokens is kept already"
         assert len(pages) * p >= length, f"{len(pages)} pages for a {length}-token snapshot"
         node = self.root
-        for i in range(length // p):
-            key = tuple(tokens[i * p:(i + 1) * p])
+        for i in range(self._num_shared(length)):
+            key = tuple(tokens[i * p:(i + 1) * p + self._extra])
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = _Node(node, key, pages[i], i + 1)

@@ -43,7 +43,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         return max(lengths, default=0)
 
     def kept_keys(self) -> list[tuple[int, ...]]:
-        return [tuple(tok for node in s.node.path() for tok in node.tokens) + s.tail for s in self.cache.lru]
+        # a node's key is its page's tokens (and, with an MTP head, the next page's first token)
+        return [tuple(tok for node in s.node.path() for tok in node.tokens[:PAGE]) + s.tail for s in self.cache.lru]
 
     # ---- rules ----------------------------------------------------------------------------------
 
@@ -142,3 +143,28 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 PrefixCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 test_prefix_cache_against_a_dict = PrefixCacheMachine.TestCase
+
+
+def test_with_an_mtp_head_a_page_is_shared_only_by_prefixes_that_continue_alike():
+    """A page's last MTP row pairs its last position with the next token, so with an MTP head the trie keys a page
+    by its tokens and that next token: a prompt that continues differently resumes from the snapshot whose tail
+    (a private copy) ends there instead of sharing a page whose last row belongs to another continuation."""
+    first_page = [1, 2] * 8  # 16 tokens: one page
+    for mtp in (False, True):
+        pages = PageAllocator(8)
+        cache = PrefixCache(pages, page_size=16, num_slots=4, snapshot_interval=16, rewrites_last_row=mtp)
+        pages.reserve(2)
+        held = pages.take_reserved(2)  # the first request's pages
+        cache.insert(first_page, held, cache.take_slot())  # its prefill boundary at 16
+        cache.insert(first_page + [5, 5, 5, 5], held, cache.take_slot())  # its finish at 20
+        hit = cache.lookup(first_page + [6, 6, 6])
+        assert hit.length == 16
+        if mtp:  # page 0's key is its tokens and a 5: not this prompt's; the 16-token snapshot's tail is page 0
+            assert hit.num_shared == 0 and hit.copy_page == held[0]
+        else:
+            assert hit.num_shared == 1 and hit.copy_page is None
+        again = cache.lookup(first_page + [5, 5, 5, 5, 1])
+        assert again.length == 20 and again.num_shared == 1 and again.copy_page == held[1]
+        pages.release(held, 0)
+        cache.clear()
+        assert len(pages.free_pages) == 8
