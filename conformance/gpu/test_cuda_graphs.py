@@ -192,8 +192,9 @@ def test_overlap_scheduling_gives_the_synchronous_tokens(stack, algorithm):
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_a_prefix_cache_hit_gives_the_cold_runs_tokens(stack, algorithm, enforce_eager):
     """The prefix cache on CUDA (fast/engine/prefix_cache.py), with and without graphs: a prompt resuming from a
-    prefill snapshot, and a second turn resuming after the first one's finish, give a cold engine's tokens; the
-    first draft block after a prefill-snapshot hit is the cold run's bit for bit (the same chunks computed it)."""
+    prefill snapshot, and a second turn resuming after the first one's finish, give a cold engine's tokens (the
+    first draft block bit for bit is held on the CPU, conformance/tokens/test_tokens_prefix_cache.py: a trace
+    turns the graphs off)."""
     name, target_dir, draft_dir = stack
     kwargs = dict(dtype=torch.float32, device="cuda", max_running_req=3, speculative_algorithm=algorithm,
                   speculative_depth="fixed", snapshot_interval=16, enforce_eager=enforce_eager,
