@@ -195,6 +195,8 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
         "floor_ms": 1e3 * floor_bytes / bandwidth, "tokens_per_s": tokens / decode_s if decode_s else None,
         "tokens_per_step": tokens / (steps * concurrency) if steps else None, "prefill_s": prefill_s, "wall_s": wall,
         "kv_tokens": model.memory.kv_tokens, "draft_params": draft_params,
+        "weights_GiB": model.load_bytes[0] / 2**30 if model.load_bytes else None,
+        "load_peak_over_weights_GiB": (model.load_bytes[1] - model.load_bytes[0]) / 2**30 if model.load_bytes else None,
         "workspace_bytes": model.memory.workspace_bytes,
         "ring_bytes_per_slot": 0, "window_bytes_per_slot": 0, "graphs": runner.graphs is not None,
         "acceptance_by_position": clock.acceptance_by_position(k) if k else [],

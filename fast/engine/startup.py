@@ -52,6 +52,7 @@ class LoadedModel:
     stop_token_ids: tuple[int, ...]
     snapshots: StateSnapshots | None = None  # the prefix cache's snapshot slots (None: prefix caching off)
     num_checkpoints: int = 0  # of those, the last ones: a checkpoint per request slot (engine/checkpoints.py)
+    load_bytes: tuple[int, int] | None = None  # CUDA: (the weights' bytes, the load's peak bytes) on the device
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -59,6 +60,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     torch.manual_seed(cfg.seed)
     configure(LaunchSettings(pdl=cfg.pdl, l2_prefetch=cfg.l2_prefetch))  # before any kernel is launched
     device, dtype = torch.device(cfg.device), cfg.torch_dtype
+    if device.type == "cuda":  # the load's peak over what stays (the weights): reported below
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
     dummy = cfg.load_format == DUMMY_LOAD_FORMAT
     if dummy:  # the config is validated as for a real checkpoint; the tensors are drawn on the device
         target_cfg = load_target_config(cfg.model_path)
@@ -92,6 +96,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
         draft = FastDraft(draft_cfg, draft_weights, target.embed, target.lm_head, dtype, device)
     mtp = FastMTP(target_cfg, weights, dtype, device, target=target) if cfg.speculative_algorithm == "mtp" else None
     del weights, draft_weights
+    load = None
+    if device.type == "cuda":
+        load = (torch.cuda.memory_allocated(device) - before, torch.cuda.max_memory_allocated(device) - before)
+        logger.info("weights: %.2f GiB on the device; the load's peak was %.2f GiB over them", load[0] / 2**30,
+                    (load[1] - load[0]) / 2**30)
 
     num_slots = cfg.max_running_req
     ring_bytes, window_bytes = dflash_slot_bytes(draft_cfg, dtype) if draft_cfg is not None else (0, 0)
@@ -132,7 +141,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         proposer = FastMTPProposer(mtp, pools, num_snapshots=num_snapshots + num_checkpoints)
     snapshots = StateSnapshots(pools, proposer, num_snapshots + num_checkpoints) if num_snapshots else None
     return LoadedModel(cfg, target_cfg, target, pools, proposer, k, max_model_len, plan, tokenizer,
-                       stop_token_ids, snapshots, num_checkpoints)
+                       stop_token_ids, snapshots, num_checkpoints, load)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -63,17 +63,19 @@ class FastMoE:
         device = params.device
         num_experts = cfg.num_experts
         w_router = params.raw(f"{p}gate.weight")  # [E, C]
-        gate_up = params.raw(f"{p}experts.gate_up_proj")  # [E, 2I, C]
-        down = params.raw(f"{p}experts.down_proj")  # [E, C, I]
+        gate_up_shape = params.shape(f"{p}experts.gate_up_proj")  # [E, 2I, C]
+        down_shape = params.shape(f"{p}experts.down_proj")  # [E, C, I]
         self.shared_gate_up = params.fused(f"{p}shared_expert.gate_proj.weight",
                                            f"{p}shared_expert.up_proj.weight")  # [2Is, C]
         shared_down = params.raw(f"{p}shared_expert.down_proj.weight")  # [C, Is]
         shared_gate = params.raw(f"{p}shared_expert_gate.weight")  # [1, C]
-        self.shared_as_expert = self.shared_gate_up.shape == gate_up.shape[1:]
+        self.shared_as_expert = tuple(self.shared_gate_up.shape) == gate_up_shape[1:]
         if self.shared_as_expert:
             self.router_with_shared = stack_rows(w_router, shared_gate[0], torch.float32, device)  # [E + 1, C]
-            self.gate_up_with_shared = stack_rows(gate_up, self.shared_gate_up, params.dtype, device)
-            self.down_with_shared = stack_rows(down, shared_down, params.dtype, device)
+            # the experts land in their final [E + 1, ...] buffers, written in place (Params.into): no E-expert copy
+            self.gate_up_with_shared = self._with_shared(params, f"{p}experts.gate_up_proj", gate_up_shape,
+                                                         self.shared_gate_up)
+            self.down_with_shared = self._with_shared(params, f"{p}experts.down_proj", down_shape, shared_down)
             self.w_router = self.router_with_shared[:num_experts]  # routing in fp32
             self.gate_up, self.down = self.gate_up_with_shared[:num_experts], self.down_with_shared[:num_experts]
             self.shared_gate_up = self.gate_up_with_shared[num_experts]  # [2Is, C]
@@ -87,6 +89,14 @@ class FastMoE:
             self.down = params.get(f"{p}experts.down_proj")  # [E, C, I]
             self.shared_down = params.get(f"{p}shared_expert.down_proj.weight")  # [C, Is]
             self.shared_expert_gate = params.get(f"{p}shared_expert_gate.weight")  # [1, C]
+
+    @staticmethod
+    def _with_shared(params: Params, name: str, shape: tuple[int, ...], shared: Tensor) -> Tensor:
+        """``[E + 1, ...]``: the E routed experts of ``name`` (written in place), then the shared expert."""
+        out = torch.empty((shape[0] + 1, *shape[1:]), dtype=params.dtype, device=params.device)
+        params.into(name, out[:-1])
+        out[-1].copy_(shared.detach())
+        return out
 
     def forward(self, x: Tensor) -> Tensor:
         """x: ``[N, C]`` after post_attention_layernorm. Returns ``[N, C]`` in x's dtype."""

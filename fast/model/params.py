@@ -43,6 +43,22 @@ class Params:
             raise CheckpointError(f"tensor {name!r} has shape {list(tensor.shape)}: expected {list(shape)}")
         return tensor
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The canonical shape of ``name`` (read without touching the tensor)."""
+        return tuple(self.shapes[name])
+
+    def into(self, name: str, out: Tensor) -> None:
+        """Write ``name``'s values into ``out`` (a model's own final buffer, e.g. a slice of a fused tensor), with
+        no device copy of the whole tensor beside it: lazy dummy weights draw straight into it (``fill``), a
+        loaded checkpoint's host tensor is copied in."""
+        fill = getattr(self.weights, "fill", None)
+        if fill is None:
+            out.copy_(self.raw(name).detach())
+            return
+        if name not in self.shapes:
+            raise KeyError(f"{name!r} is not a canonical tensor of this target")
+        fill(name, out)
+
     def get(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
         """The tensor in ``dtype`` (default: the model dtype) on the model's device."""
         dtype = dtype or self.dtype

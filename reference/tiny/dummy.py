@@ -12,11 +12,18 @@ generator seeded by (seed, tensor name), and nothing keeps it but the reader. A 
 projections (``cat`` of several tensors) therefore never holds the unfused copies and a fused one
 at once, and the same (seed, name) always gives the same values. Random weights accept no drafts:
 timings only.
+
+Loading a real shape must not need memory beyond the weights: a tensor larger than ``CHUNK_BYTES`` in
+fp32 (an MoE layer's stacked experts, an embedding) is drawn ``CHUNK_BYTES`` at a time along its first
+axis, each slice from its own generator (seeded by the tensor's and the slice's start), straight into
+its buffer in the model dtype (``fill``: a model may hand its own final buffer, e.g. the experts' slice
+of a fused ``[E + 1, ...]`` tensor), so the largest temporary is one fp32 slice.
 """
 
 from __future__ import annotations
 
 import zlib
+import math
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -30,6 +37,7 @@ from .draft import init_draft_tensor
 from .weights import KEEP_FP32_SUFFIXES, init_target_tensor
 
 DUMMY_LOAD_FORMAT = "dummy"
+CHUNK_BYTES = 256 << 20  # fp32 bytes of the largest slice drawn at once (module docstring)
 
 
 class DummyWeights(Mapping):
@@ -43,10 +51,40 @@ class DummyWeights(Mapping):
 
     def __getitem__(self, name: str) -> Tensor:
         shape = self.shapes[name]
+        dtype = torch.float32 if name.endswith(KEEP_FP32_SUFFIXES) else self.dtype
+        if self._sliced(shape):
+            out = torch.empty(shape, dtype=dtype, device=self.device)
+            self.fill(name, out)
+            return out
+        return self.init(self.aliases.get(name, name), shape, self._generator(name, 0)).to(dtype)
+
+    def fill(self, name: str, out: Tensor) -> None:
+        """Draw ``name``'s values into ``out`` (its shape, any dtype, on this mapping's device): the values
+        ``self[name]`` has, a first-axis slice at a time when the tensor is large."""
+        shape = self.shapes[name]
+        if tuple(out.shape) != tuple(shape):
+            raise ValueError(f"{name}: out {list(out.shape)}, expected {list(shape)}")
         source = self.aliases.get(name, name)
-        gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(source.encode()))
-        tensor = self.init(source, shape, gen)
-        return tensor if name.endswith(KEEP_FP32_SUFFIXES) else tensor.to(self.dtype)
+        if not self._sliced(shape):
+            out.copy_(self.init(source, shape, self._generator(name, 0)))
+            return
+        rows = self._rows_per_slice(shape)
+        for start in range(0, shape[0], rows):
+            stop = min(start + rows, shape[0])
+            out[start:stop].copy_(self.init(source, (stop - start, *shape[1:]), self._generator(name, start)))
+
+    def _generator(self, name: str, start: int) -> torch.Generator:
+        source = self.aliases.get(name, name)
+        seed = self.seed * 1_000_003 + zlib.crc32(source.encode()) + 7919 * start
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    @staticmethod
+    def _sliced(shape: tuple[int, ...]) -> bool:
+        return len(shape) >= 2 and 4 * math.prod(shape) > CHUNK_BYTES
+
+    @staticmethod
+    def _rows_per_slice(shape: tuple[int, ...]) -> int:
+        return max(1, CHUNK_BYTES // (4 * math.prod(shape[1:])))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)

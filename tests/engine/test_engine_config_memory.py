@@ -169,3 +169,31 @@ def test_snapshot_slots_come_out_of_the_budget_left_for_pages():
     assert cached.total_bytes <= 100_000
     assert EngineConfig(model_path="m").prefix_snapshot_interval == 2048  # max_num_batched_tokens
     assert EngineConfig(model_path="m", max_num_batched_tokens=1000).prefix_snapshot_interval == 992
+
+
+def test_large_dummy_tensors_are_drawn_a_slice_at_a_time_into_their_buffer(monkeypatch):
+    """A dummy tensor past CHUNK_BYTES (fp32) is drawn a first-axis slice at a time, straight into its buffer in
+    the model dtype (reference/tiny/dummy.py): ``fill`` into a slice of a larger buffer and a read give the same
+    values; small tensors keep their one-draw values; FastMoE writes its experts into the fused [E + 1, ...]
+    buffer in place and equals the stacked tensors."""
+    import dflash2.reference.tiny.dummy as dummy
+    from dflash2.fast.model.moe import FastMoE
+    from dflash2.fast.model.params import Params
+
+    from dataclasses import replace
+
+    moe_cfg = tiny_target_config("tiny-moe")  # with the shared expert as wide as a routed one, as released
+    cfg = replace(moe_cfg, shared_expert_intermediate_size=moe_cfg.moe_intermediate_size)
+    small = dummy.dummy_target_weights(cfg, seed=3, dtype=torch.bfloat16)
+    name = "layers.0.mlp.experts.gate_up_proj"
+    whole = small[name]
+    monkeypatch.setattr(dummy, "CHUNK_BYTES", whole.numel() * 4 // 3)  # three slices of the expert axis
+    sliced = dummy.dummy_target_weights(cfg, seed=3, dtype=torch.bfloat16)
+    read = sliced[name]
+    assert read.dtype == torch.bfloat16 and read.shape == whole.shape and not torch.equal(read, whole)
+    out = torch.zeros((whole.shape[0] + 1, *whole.shape[1:]), dtype=torch.bfloat16)
+    sliced.fill(name, out[:-1])
+    assert torch.equal(out[:-1], read) and not out[-1].any()
+    moe = FastMoE(cfg, Params(cfg, sliced, torch.bfloat16, "cpu"), "layers.0.")
+    assert moe.shared_as_expert and torch.equal(moe.gate_up, read)
+    assert torch.equal(sliced["layers.0.mlp.gate.weight"], small["layers.0.mlp.gate.weight"])  # small: one draw
