@@ -152,7 +152,8 @@ class Life:
 @pytest.fixture()
 def life(small_window, tiny_target):
     _, target_cfg, _ = tiny_target
-    life = Life(small_window, target_cfg, FastDFlashProposer(small_window.fast, NUM_SLOTS, poison=True))
+    life = Life(small_window, target_cfg, FastDFlashProposer(small_window.fast, NUM_SLOTS, poison=True,
+                                                             num_snapshots=len(SPARE_SLOTS)))
     life.prefill()
     return life
 
@@ -170,8 +171,9 @@ def test_ring_rebuilt_from_the_window_equals_the_live_ring_bitwise(life):
     fast = life.fast
     _, anchors, live, *_ = life.tensors()
     spare = torch.tensor(SPARE_SLOTS, device=DEVICE)
-    fast.copy_window(live, spare)  # the snapshot, beside the GDN state copy
-    fast.restore(spare, anchors)  # a prefix hit at each request's frontier
+    saved = torch.arange(len(SPARE_SLOTS), device=DEVICE)
+    fast.save_state(live, saved)  # the snapshot, beside the GDN state's
+    fast.load_state(saved, spare, anchors)  # a prefix hit at each request's frontier: window, then ring rebuild
     fast.ring.check_readable(spare, anchors)
     for layer in range(life.cfg.num_hidden_layers):
         for rebuilt, held in zip(fast.ring.gather(layer, spare, anchors), fast.ring.gather(layer, live, anchors)):
@@ -187,7 +189,7 @@ def test_ring_rebuilt_from_the_window_equals_the_live_ring_bitwise(life):
 def test_a_prefill_past_a_snapshot_boundary_keeps_the_window(small_window, tiny_target, rows_past):
     """Rows f..f+64 (65 = margin + 1) past the boundary f leave the rows f reads intact; a 66th overwrites one."""
     _, target_cfg, _ = tiny_target
-    fast = FastDFlashProposer(small_window.fast, 2, poison=True)
+    fast = FastDFlashProposer(small_window.fast, 2, poison=True, num_snapshots=1)
     cfg = small_window.fast.cfg
     gen = torch.Generator().manual_seed(9)
     boundary, slot, spare = 100, torch.tensor([0], device=DEVICE), torch.tensor([1], device=DEVICE)
@@ -199,7 +201,9 @@ def test_a_prefill_past_a_snapshot_boundary_keeps_the_window(small_window, tiny_
     at_boundary = [tuple(t.clone() for t in fast.ring.gather(layer, slot, anchor)) for layer in layers]
     fast.observe_rows(slot.expand(rows_past), torch.arange(boundary, boundary + rows_past, device=DEVICE),
                  torch.randn(rows_past, width, generator=gen).to(DEVICE))
-    fast.copy_window(slot, spare)
+    saved = torch.tensor([0], device=DEVICE)
+    fast.save_state(slot, saved)
+    fast.window.load(saved, spare)
     if rows_past == 66:
         with pytest.raises(StaleSlotError):
             fast.ring.check_readable(slot, anchor)

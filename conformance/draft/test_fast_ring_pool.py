@@ -4,8 +4,8 @@ Every operation goes to the fast pools and to the reference rings (``reference/s
 checked against an obvious model in tests/speculative/ring); after each step every slot's read at its
 frontier must agree: positions and tags EXACT, rows bitwise (the pools only store). Writes batch
 the rows of several slots (and padding rows) into one call, as an engine step does; a prefill
-may exceed the capacity in one call; a snapshot copies a slot's window to another slot and the
-restore rebuilds that slot's ring from it. The K/V of a context row is a fixed function of the row
+may exceed the capacity in one call; a snapshot saves a slot's window (``WindowPool.save``), a restore
+loads it into another slot and rebuilds that slot's ring from it. The K/V of a context row is a fixed function of the row
 (``kv_of``), standing in for the draft's projection. A planted off-by-one ring index must fail.
 """
 
@@ -38,7 +38,7 @@ class PoolModel(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.ring = self.ring_cls(NUM_SLOTS, WINDOW, LAYERS, KV_HEADS, HEAD_DIM, margin=MARGIN, poison=True)
-        self.window = WindowPool(NUM_SLOTS, WINDOW, HIDDEN, margin=MARGIN, poison=True)
+        self.window = WindowPool(NUM_SLOTS, WINDOW, HIDDEN, margin=MARGIN, poison=True, num_saved=1)
         self.ref_rows = [Ring(WINDOW, (HIDDEN,), margin=MARGIN) for _ in range(NUM_SLOTS)]
         self.frontier = [0] * NUM_SLOTS
         self.ahead = [0] * NUM_SLOTS  # rows written at frontier.. since the frontier last moved
@@ -96,9 +96,10 @@ class PoolModel(RuleBasedStateMachine):
 
     @rule(src=st.integers(0, NUM_SLOTS - 1), dst=st.integers(0, NUM_SLOTS - 1))
     def snapshot_and_restore(self, src, dst):
-        """Copy src's window into dst (with its GDN state), then rebuild dst's ring at src's frontier."""
+        """Save src's window in a snapshot slot, load it into dst, then rebuild dst's ring at src's frontier."""
         f = self.frontier[src]
-        self.window.copy(torch.tensor([src]), torch.tensor([dst]))
+        self.window.save(torch.tensor([src]), torch.tensor([0]))
+        self.window.load(torch.tensor([0]), torch.tensor([dst]))
         positions, rows, valid = self.window.read(torch.tensor([dst]), torch.tensor([f]))
         k, v = kv_of(rows[0])
         self.ring.rebuild(torch.tensor([dst]), positions, k[:, None], v[:, None], valid)

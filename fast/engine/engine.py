@@ -365,13 +365,15 @@ class Engine:
         ring_slots = max((state.num_slots for state in states), default=0)
         held_rings = len({s for s in held_slots if s < ring_slots})
         cache = sched.prefix
-        cached = cache.held_pages() if cache is not None else []
         usage = PoolUsage(pages.num_pages, len(free_pages), pages.reserved, sched.max_running_req,
                           len(sched.free_slots), ring_slots, ring_slots - held_rings, len(sched.running),
-                          len(sched.waiting), len(set(cached)), cache.num_snapshots if cache is not None else 0,
-                          cache.num_slots if cache is not None else 0)
-        if not check:
+                          len(sched.waiting), cache.num_pages if cache is not None else 0,
+                          cache.num_snapshots if cache is not None else 0, cache.num_slots if cache is not None else 0)
+        if not check:  # the server reads this every step: no walk of the pages or the trie
             return usage
+        cached = cache.held_pages() if cache is not None else []
+        if len(set(cached)) != usage.cached_pages:
+            raise RuntimeError(f"prefix cache: {len(set(cached))} pages held, {usage.cached_pages} counted")
         holders = Counter(p for r in sched.running for p in r.pages) + Counter(cached)
         if len(set(free_pages)) != len(free_pages) or set(free_pages) & set(holders):
             raise RuntimeError(f"KV pages: the free list ({len(free_pages)}) repeats a page or holds a held one")

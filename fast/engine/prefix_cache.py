@@ -129,6 +129,9 @@ class PrefixCache:
         self.free_slots: list[int] = list(range(num_slots))[::-1]
         self.lru: OrderedDict[Snapshot, None] = OrderedDict()  # oldest first
         self.pinned: set[Snapshot] = set()  # restores planned and not yet run
+        # the cache's references per page (a node's page may also be another snapshot's tail), kept as it goes:
+        # the server reads the count every step
+        self._refs: Counter[int] = Counter()
         self.stats = PrefixStats()
 
     # ---- lookups --------------------------------------------------------------------------------
@@ -212,13 +215,13 @@ class PrefixCache:
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = _Node(node, key, pages[i], i + 1)
-                self.pages.share(pages[i])
+                self._hold(pages[i])
             node = child
         tail = tuple(tokens[node.depth * p:])
         tail_page = -1
         if tail:
             tail_page = pages[node.depth]
-            self.pages.share(tail_page)
+            self._hold(tail_page)
         snap = Snapshot(node, tail, tail_page, slot, length)
         node.snapshots[tail] = snap
         for n in node.path():
@@ -264,22 +267,38 @@ class PrefixCache:
         del self.lru[snap]
         del snap.node.snapshots[snap.tail]
         if snap.tail_page >= 0:
-            self.pages.drop(snap.tail_page)
+            self._release(snap.tail_page)
         for node in reversed(snap.node.path()):
             node.refs -= 1
             if node.refs == 0 and not node.children and not node.snapshots:
                 del node.parent.children[node.tokens]
-                self.pages.drop(node.page)
+                self._release(node.page)
         self.free_slots.append(snap.slot)
 
     # ---- accounting ---------------------------------------------------------------------------
+
+    def _hold(self, page: int) -> None:
+        self.pages.share(page)
+        self._refs[page] += 1
+
+    def _release(self, page: int) -> None:
+        self.pages.drop(page)
+        self._refs[page] -= 1
+        if not self._refs[page]:
+            del self._refs[page]
+
+    @property
+    def num_pages(self) -> int:
+        """Distinct pages the cache holds."""
+        return len(self._refs)
 
     @property
     def num_snapshots(self) -> int:
         return len(self.lru)
 
     def held_pages(self) -> list[int]:
-        """Every page reference the cache holds (nodes' pages and tails), for the leak check."""
+        """Every page reference the cache holds (nodes' pages and tails), for the leak check (a walk of the whole
+        trie: ``num_pages`` counts the distinct ones without a walk)."""
         held, stack = [], [self.root]
         while stack:
             node = stack.pop()

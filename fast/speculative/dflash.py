@@ -136,10 +136,6 @@ class FastDFlashProposer:
         for start in range(0, slots.shape[0], self.rebuild_group):
             self.restore(slots[start:start + self.rebuild_group], frontiers[start:start + self.rebuild_group])
 
-    def copy_window(self, src_slots: Tensor, dst_slots: Tensor) -> None:
-        """Snapshot or restore the dflash_window with the GDN state (call beside the GDN slot copy)."""
-        self.window.copy(src_slots, dst_slots)
-
     def restore(self, slots: Tensor, frontiers: Tensor) -> None:
         """Rebuild the rings of ``slots [R]`` from their windows at ``frontiers [R]`` (the next anchor f).
 

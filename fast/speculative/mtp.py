@@ -46,7 +46,8 @@ class FastMTPProposer:
 
     Under the :class:`~.proposer.Proposer` protocol: ``observe`` reads the final hidden rows and the committed
     counts (not the taps alone), and ``propose`` reads the block tables (the MTP layer attends over paged K/V).
-    Its per-slot state, the pending hidden row, is one row a slot; it declares no slot state to move.
+    Its per-slot state, the pending hidden row, is one row a slot (no ``slot_states`` to report); the prefix cache
+    saves and loads it (``save_state`` / ``load_state``).
     """
 
     reads_block_tables = True

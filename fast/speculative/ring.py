@@ -8,9 +8,9 @@ slot(p) = p mod C, so everything ``reference/speculative/ring.py`` proves carrie
   target row before acceptance is known; rows past the committed frontier stay within
   [f, f+margin] and so never alias a readable slot.
 - ``WindowPool``: the ``dflash_window`` slot state, the context rows c_p themselves,
-  ``rows [num_slots, C, hidden]``, indexed by the target's GDN state slot. ``copy`` moves a slot's
-  window with its GDN state (prefix-cache snapshot and restore); after a restore at frontier f,
-  the ring is rebuilt from the window's rows f-W+1 .. f-1 (``FastDFlashProposer.restore``).
+  ``rows [num_slots, C, hidden]``, indexed by the target's GDN state slot. ``save`` / ``load`` move a
+  slot's whole window to a prefix-cache snapshot slot and back, beside its GDN state; after a load at
+  frontier f, the ring is rebuilt from the window's rows f-W+1 .. f-1 (``FastDFlashProposer.restore``).
 
 Both keep a tag per row, the position written there (-1: never), for ``check_readable``: a
 host-synchronising audit that raises ``StaleSlotError`` where a readable row is not the one
@@ -188,11 +188,6 @@ class WindowPool(_SlotRings):
         slot_rows, index, source = self._targets(slots, positions)
         self.rows[slot_rows, index] = rows[source].to(self.rows.dtype)
         self.tags[slot_rows, index] = positions[source]
-
-    def copy(self, src_slots: Tensor, dst_slots: Tensor) -> None:
-        """Copy whole windows (rows and tags) slot to slot, as the GDN state is copied  # [R] each."""
-        self.rows[dst_slots] = self.rows[src_slots]
-        self.tags[dst_slots] = self.tags[src_slots]
 
     def save(self, slots: Tensor, saved: Tensor) -> None:
         """Snapshot the windows of request ``slots`` into snapshot slots ``saved``  # [R] each."""

@@ -126,6 +126,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_page_is_free_or_held_as_counted(self):
+        assert self.cache.num_pages == len(set(self.cache.held_pages()))  # the count the server reads every step
         holders = Counter(p for _, pages in self.running for p in pages) + Counter(self.cache.held_pages())
         free = list(self.pages.free_pages)
         assert len(set(free)) == len(free) and not set(free) & set(holders)
