@@ -98,6 +98,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="EngineConfig.prefix_caching (its snapshot slots come out of the cache budget; each timed run "
                         "starts with an empty cache)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed generates per run (default 1): wall_s is their median, the step figures pool their "
+                        "steps (a run of the bundled pair lasts tens of milliseconds, so one is noisy)")
     p.add_argument("--profile", action="store_true", help="add each run's top kernels by GPU time (torch profiler)")
     p.set_defaults(func=run_bench)
 
@@ -127,6 +130,8 @@ def run_bench(args: argparse.Namespace) -> int:
     sim = args.simulate_tokens_per_step
     if sim is not None and sim != SEED and not 1.0 <= sim <= 8.0:
         raise UserInputError(f"simulate_tokens_per_step={sim}: expected 1 .. k+1 or 'seed'")
+    if args.repeats < 1:
+        raise UserInputError(f"repeats={args.repeats}: expected an integer >= 1")
     if args.max_tokens < 2:
         raise UserInputError(f"max_tokens={args.max_tokens}: expected an integer >= 2")
     SamplingParams(temperature=args.temperature, top_p=args.top_p).validate()  # the field and value when refused
@@ -136,7 +141,7 @@ def run_bench(args: argparse.Namespace) -> int:
                            max_tokens=args.max_tokens,
                            simulate_tokens_per_step=args.simulate_tokens_per_step, out_dir=out,
                            command="ft " + " ".join(sys.argv[1:]), profile=args.profile, prompts=prompts,
-                           temperature=args.temperature, top_p=args.top_p,
+                           temperature=args.temperature, top_p=args.top_p, repeats=args.repeats,
                            extra={"enforce_eager": args.enforce_eager,
                                   "speculative_depth": args.speculative_depth,
                                   **({"cpu_cache_bytes": args.cpu_cache_bytes} if args.cpu_cache_bytes else {}),

@@ -68,10 +68,12 @@ def markdown(result: dict) -> str:
         lines.append(f"- **simulated acceptance (timing only)**: each verify keeps drafts so that the mean is "
                      f"{sim} committed tokens per step; random weights accept nothing on their own")
     lines += ["", "Step: median host wall time of the decode (off) or verify step, each ending on its one "
-              "device read; floor: the bytes the step must move over the measured bandwidth (bench/floors.py).",
+              "device read; floor: the bytes the step must move over the measured bandwidth (bench/floors.py). "
+              "wall tok/s: every token of the timed generate (prefill included) over its wall time, the median of "
+              f"{result['runs'][0].get('repeats', 1) if result['runs'] else 1} generate(s).",
               "", "| setting | conc | prompt | step | step ms | floor ms | floor/step | draft ms | tok/step | "
-              "tok/s | prefill s | KV tokens | draft params | ring+window MiB/slot | workspace MiB |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "tok/s | wall tok/s | prefill s | KV tokens | draft params | ring+window MiB/slot | workspace MiB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         if "error" in r:
             lines.append(f"| {r['setting']} | {r['concurrency']} | {r['prompt_len']} | FAILED: {r['error'][:120]} |")
@@ -80,7 +82,7 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {r['setting']} | {r['concurrency']} | {r['prompt_len']} | {r['step']} | {_fmt(r['step_ms_median'], '.2f')} "
             f"| {r['floor_ms']:.2f} | {_fmt(r['floor_fraction'], '.0%')} | {_fmt(r.get('draft_ms'), '.2f')} "
-            f"| {_fmt(r['tokens_per_step'], '.2f')} | {_fmt(r['tokens_per_s'], '.1f')} | {r['prefill_s']:.2f} "
+            f"| {_fmt(r['tokens_per_step'], '.2f')} | {_fmt(r['tokens_per_s'], '.1f')} | {_fmt(r.get('wall_tokens_per_s'), '.1f')} | {r['prefill_s']:.2f} "
             f"| {r['kv_tokens']} | {r['draft_params'] / 1e6:.0f}M | {slot_mib:.0f} "
             f"| {r.get('workspace_bytes', 0) / 2**20:.0f} |")
     pairs = step_ratios(result["runs"])
@@ -95,7 +97,7 @@ def markdown(result: dict) -> str:
     for r in result["runs"]:
         prof = r.get("profile") if "error" not in r else None
         if prof:
-            lines += ["", f"Profile of a 17-token generate from 8-token prompts (mostly decode/verify steps), {r['setting']} c={r['concurrency']} p={r['prompt_len']}: "
+            lines += ["", f"Profile of a 17-token generate from 8-token prompts at the run's sampling (mostly decode/verify steps), {r['setting']} c={r['concurrency']} p={r['prompt_len']}: "
                       f"{prof['total_gpu_ms']:.1f} ms of GPU time", "", "| kernel | calls | GPU ms | share |",
                       "|---|---|---|---|"]
             lines += [f"| `{k['name']}` | {k['calls']} | {k['gpu_ms']:.2f} | {k['share']:.1%} |" for k in prof["kernels"]]

@@ -31,7 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -68,6 +68,7 @@ class BenchArgs:
     prompts: list[str] | None = None  # texts (through the model's tokenizer) in place of random ids, cycled
     temperature: float = 0.0  # every request's (request i seeded i)
     top_p: float = 1.0
+    repeats: int = 1  # timed generates per run: wall figures are their median, step figures pool their steps
 
 
 class StepClock:
@@ -160,19 +161,27 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
     clock.reset()
     chosen_before = dict(engine.depth.chosen) if engine.depth is not None and engine.depth.adaptive else None
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    sync()
-    wall = time.perf_counter() - start
-    errors = [o.error for o in outs if o.error]
-    if errors:
-        raise RuntimeError(f"{setting}: {errors[0]}")
+    walls = []
+    for repeat in range(args.repeats):
+        if repeat:  # each timed generate starts as the first did: an empty cache, the same acceptance
+            engine.clear_prefix_cache()
+            if simulated is not None:
+                simulated.schedule.restart()
+        sync()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        sync()
+        walls.append(time.perf_counter() - start)
+        errors = [o.error for o in outs if o.error]
+        if errors:
+            raise RuntimeError(f"{setting}: {errors[0]}")
+    wall = statistics.median(walls)
     step_kind = "verify" if algorithm != "none" else "decode"
     step_times = clock.times[step_kind]
     prefill_s = sum(clock.times["prefill"])
     decode_s = sum(step_times)
-    tokens = sum(len(o.token_ids) for o in outs) - concurrency  # the first token of each comes from its prefill
+    # the first token of each request comes from its prefill; every repeat commits the same number of tokens
+    tokens = args.repeats * (sum(len(o.token_ids) for o in outs) - concurrency)
     steps = len(step_times)
     cfg = model.target_cfg
     itemsize = torch.empty((), dtype=model.config.torch_dtype).element_size()
@@ -193,7 +202,9 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
         "step": step_kind, "steps": steps, "step_ms_median": 1e3 * statistics.median(step_times) if steps else None,
         "step_ms_mean": 1e3 * decode_s / steps if steps else None,
         "floor_ms": 1e3 * floor_bytes / bandwidth, "tokens_per_s": tokens / decode_s if decode_s else None,
-        "tokens_per_step": tokens / (steps * concurrency) if steps else None, "prefill_s": prefill_s, "wall_s": wall,
+        "tokens_per_step": tokens / (steps * concurrency) if steps else None,
+        "prefill_s": prefill_s / args.repeats, "wall_s": wall, "wall_s_runs": walls, "repeats": args.repeats,
+        "wall_tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
         "kv_tokens": model.memory.kv_tokens, "draft_params": draft_params,
         "weights_GiB": model.load_bytes[0] / 2**30 if model.load_bytes else None,
         "load_peak_over_weights_GiB": (model.load_bytes[1] - model.load_bytes[0]) / 2**30 if model.load_bytes else None,
@@ -214,7 +225,7 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
     if args.profile and torch.cuda.is_available():
         # 8-token prompts, so the 16-token generate is mostly decode or verify steps, not prefill
         row["profile"] = kernel_shares(llm, [p[:8] for p in prompts],
-                                       SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True))
+                                       [replace(p, max_tokens=17) for p in params])
     del llm, engine, runner, model, clock
     gc.collect()
     if torch.cuda.is_available():

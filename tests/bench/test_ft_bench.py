@@ -73,12 +73,38 @@ def test_ft_bench_runs_every_setting_and_writes_its_report(tiny, tmp_path):
     assert "- sampling: greedy" in text
 
 
+def test_repeats_time_every_generate_alike(tiny, tmp_path, monkeypatch):
+    """Each repeat is a timed generate that meets what the first met (the same acceptance, an empty cache):
+    the steps pool, the wall figure is the median of the repeats'."""
+    seen: list[int] = []
+
+    class Recording(SimulatedAcceptance):
+        def __call__(self) -> int:
+            seen.append(self.step)
+            return super().__call__()
+
+    monkeypatch.setattr("dflash2.bench.run.SimulatedAcceptance", Recording)
+    target, draft = tiny
+    out = tmp_path / "out"
+    assert main(["bench", "--model", str(target), "--draft", str(draft), "--load-format", "dummy",
+                 "--runs", "dflash7:1:9", "--max-tokens", "12", "--simulate-tokens-per-step", "2.5",
+                 "--repeats", "3", "--out", str(out)]) == 0
+    quarter = len(seen) // 4  # the warm-up and three timed generates, each the same steps
+    assert quarter >= 2 and seen == list(range(quarter)) * 4, seen
+    row = json.loads((out / "bench.json").read_text())["runs"][0]
+    assert row["repeats"] == 3 and len(row["wall_s_runs"]) == 3
+    assert row["wall_s"] == sorted(row["wall_s_runs"])[1]
+    assert row["steps"] == 3 * quarter and row["tokens_per_step"] == 11 * 3 / row["steps"]
+    assert "wall tok/s" in (out / "bench.md").read_text()
+
+
 @pytest.mark.parametrize("flags, field", [
     (["--settings", "dflash7"], "need --draft"),
     (["--settings", "off", "--simulate-tokens-per-step", "9"], "simulate_tokens_per_step"),
     (["--settings", "off", "--max-tokens", "1"], "max_tokens"),
     (["--settings", "off", "--temperature", "-1"], "temperature"),
     (["--settings", "off", "--top-p", "0"], "top_p"),
+    (["--settings", "off", "--repeats", "0"], "repeats"),
 ])
 def test_bad_bench_flags_exit_2(tiny, capsys, flags, field):
     target, _ = tiny
