@@ -101,10 +101,18 @@ def snapshot_count(requested: int | None, *, free_bytes: int, snapshot_bytes: in
 
 
 def cache_budget_bytes(cfg: EngineConfig, device: torch.device) -> int:
-    """Bytes the caches may take (call after the weights are on the device)."""
+    """Bytes the caches may take (call after the weights are on the device).
+
+    On CUDA: ``free + (reserved - allocated) - total * (1 - memory_ratio)``. Memory the caching allocator
+    holds but no tensor uses (what a load's freed temporaries leave behind) is free for the caches: the
+    driver's ``free`` alone counts it as used (logged at startup).
+    """
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return int(free - total * (1.0 - cfg.memory_ratio))
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        logger.info("cache budget: %.1f MiB free on the device, %.1f MiB cached by the allocator unused, %.1f MiB "
+                    "kept out (1 - memory_ratio)", free / MiB, cached / MiB, total * (1.0 - cfg.memory_ratio) / MiB)
+        return int(free + cached - total * (1.0 - cfg.memory_ratio))
     return cfg.cpu_cache_bytes
 
 

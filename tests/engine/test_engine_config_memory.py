@@ -197,3 +197,16 @@ def test_large_dummy_tensors_are_drawn_a_slice_at_a_time_into_their_buffer(monke
     moe = FastMoE(cfg, Params(cfg, sliced, torch.bfloat16, "cpu"), "layers.0.")
     assert moe.shared_as_expert and torch.equal(moe.gate_up, read)
     assert torch.equal(sliced["layers.0.mlp.gate.weight"], small["layers.0.mlp.gate.weight"])  # small: one draw
+
+
+def test_cuda_budget_counts_the_allocators_unused_cache_as_free(monkeypatch):
+    """Memory the caching allocator holds for no tensor (a load's freed temporaries) is budget for the caches:
+    budget = free + (reserved - allocated) - total * (1 - memory_ratio)."""
+    from dflash2.fast.engine import memory
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 60 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 57 * gib)
+    config = EngineConfig(model_path="m", memory_ratio=0.9)
+    assert memory.cache_budget_bytes(config, torch.device("cuda")) == int(6 * gib + 3 * gib - 80 * gib * 0.1)
