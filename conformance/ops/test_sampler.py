@@ -17,7 +17,7 @@ import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
 from dflash2.fast.kernels.sampling import row_filter
-from dflash2.fast.kernels.sampling.row_filter import (FilterConfig, filter_torch, filter_triton, kept_by_cut,
+from dflash2.fast.kernels.sampling.row_filter import (FilterConfig, Layout, filter_torch, filter_triton, kept_by_cut,
                                              kept_weights_torch, scaled_logits)
 from dflash2.fast.kernels.sampling.sampler import (HostSummary, SamplingTensors, sample_torch, sample_triton,
                                           target_probs_torch, target_probs_triton)
@@ -31,8 +31,9 @@ TOP_P_TIE = 1e-5  # a top-p decision whose mass before lies this close (relative
 # launch shapes that send rows of a few dozen tokens through every path of the cut finder
 CONFIGS = {
     "default": FilterConfig(),
-    "bisect": FilterConfig(block_v=16, blocks_per_chunk=2, cap=8, thresholds=4, block_r=8, rounds=3),
-    "finisher_only": FilterConfig(block_v=16, blocks_per_chunk=1, cap=4, thresholds=8, block_r=4, rounds=0),
+    "bisect": FilterConfig(block_v=16, blocks_per_chunk=2, cap=8, thresholds=4, block_r=8, rounds=3, min_chunks=1),
+    "finisher_only": FilterConfig(block_v=16, blocks_per_chunk=1, cap=4, thresholds=8, block_r=4, rounds=0,
+                                  min_chunks=1),
 }
 
 
@@ -296,3 +297,17 @@ def test_filter_config_refuses_bad_shapes():
         FilterConfig(cap=12)
     with pytest.raises(ValueError, match="block_r=64"):
         FilterConfig(block_v=32, block_r=64)
+    with pytest.raises(ValueError, match="min_chunks >= 1"):
+        FilterConfig(min_chunks=0)
+
+
+@pytest.mark.parametrize("vocab, block_v, blocks_per_chunk", [
+    (8256, 256, 1),  # the bundled target: 33 programs per row, not 3 of 4,096 logits
+    (248320, 1024, 4),  # the released vocabulary: 61 chunks of 4 blocks already
+    (512, 128, 1),  # blocks stop halving at 128 logits
+])
+def test_a_small_vocabulary_spreads_over_min_chunks_programs(vocab, block_v, blocks_per_chunk):
+    layout = Layout.of(vocab, FilterConfig())
+    assert (layout.block_v, layout.blocks_per_chunk) == (block_v, blocks_per_chunk)
+    assert layout.num_chunks >= min(32, layout.num_blocks)
+    assert layout.num_blocks * layout.block_v >= vocab > (layout.num_blocks - 1) * layout.block_v
