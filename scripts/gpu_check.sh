@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The GPU lane, for the device machine (H200, Python 3.12, its own torch and triton):
 #   1. make `dflash2` importable without pip (the machine has no registry): symlinks under /tmp/pkg;
-#   2. add carried wheels from .whl/ (flash-linear-attention) when present; .whl/ is not in git:
-#      make it here with (and list /.whl/ in .git/info/exclude, then carry it: `carry: [".whl"]`)
-#        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#          --platform manylinux_2_28_x86_64 -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0
+#   2. add carried wheels from .whl/ (flash-linear-attention; fastapi, uvicorn and their needs for stage 7) when
+#      present; .whl/ is not in git: make it here with `bash scripts/gpu_wheels.sh` (list /.whl/ in
+#      .git/info/exclude first, then carry it: `carry: [".whl"]`)
 #   3. run the conformance suite on CUDA (fp32 and bf16 variants live in the tests);
 #   4. run the kernel micro-benchmarks (bench/kernels/bench_*.py), each beside its floor;
 #   5. run `ft bench` at the real shapes (bench/shapes/, --load-format dummy) over BENCH_RUNS
