@@ -1,8 +1,9 @@
 """Sizing the caches at startup: KV pages and state slots out of one byte budget.
 
-The budget: on CUDA, after the weights are loaded, ``free - total * (1 - memory_ratio)`` (the
-weights, the caches and the activations together stay within ``memory_ratio`` of the device); on
-CPU, ``cpu_cache_bytes``. Out of it, first one state slot per running request (the target's GDN
+The budget: on CUDA, after the weights are loaded, ``memory_ratio * total`` less everything in use
+(the weights, the CUDA context, the libraries' workspaces), less the peak activations of the largest
+prefill chunk and an allowance for the CUDA graphs' pools, both measured by a profiling forward
+(``memory_profile.py``, as vLLM's memory plan); on CPU, ``cpu_cache_bytes``. Out of it, first one state slot per running request (the target's GDN
 state plus, with DFlash, the draft's per-request K/V ring and its ``dflash_window`` of context
 rows), then the prefix cache's snapshot slots (each the GDN state and the proposer's saved state:
 ``num_snapshots``, chosen by ``snapshot_count``), then as many KV pages as fit, capped at what
@@ -45,6 +46,8 @@ class MemoryPlan:
     workspace_bytes: int = 0  # set aside for the draft's prefill features or a group of ring rebuilds
     num_snapshots: int = 0  # prefix-cache snapshot slots
     snapshot_bytes: int = 0  # one snapshot slot: the GDN state and the proposer's saved state
+    activation_bytes: int = 0  # CUDA: the largest prefill chunk's measured peak, kept out of the budget
+    graph_pool_bytes: int = 0  # CUDA: the graphs' pools allowance, kept out of the budget
 
     @property
     def kv_tokens(self) -> int:
@@ -101,7 +104,8 @@ def snapshot_count(requested: int | None, *, free_bytes: int, snapshot_bytes: in
 
 
 def cache_budget_bytes(cfg: EngineConfig, device: torch.device) -> int:
-    """Bytes the caches may take (call after the weights are on the device).
+    """Bytes within ``memory_ratio`` not in use (call after the weights are on the device; the caller takes the
+    activations out).
 
     On CUDA: ``free + (reserved - allocated) - total * (1 - memory_ratio)``. Memory the caching allocator
     holds but no tensor uses (what a load's freed temporaries leave behind) is free for the caches: the
@@ -119,6 +123,7 @@ def cache_budget_bytes(cfg: EngineConfig, device: torch.device) -> int:
 def plan_memory(budget_bytes: int, *, page_size: int, num_slots: int, max_model_len: int, kv_bytes_per_token: int,
                 state_bytes_per_slot: int, draft_bytes_per_slot: int = 0, workspace_bytes: int = 0,
                 budget_field: str = "memory_ratio", num_snapshots: int = 0, snapshot_bytes: int = 0,
+                activation_bytes: int = 0, graph_pool_bytes: int = 0,
                 device_total_bytes: int | None = None) -> MemoryPlan:
     """Workspace, slots, snapshot slots, then pages; refuse a budget that cannot hold the slots and one page,
     saying by how much it falls short (and, given ``device_total_bytes``, as a fraction of the device)."""
@@ -130,14 +135,17 @@ def plan_memory(budget_bytes: int, *, page_size: int, num_slots: int, max_model_
     if num_pages < 1:
         short = slot_bytes + page_bytes - budget_bytes
         by = f" (+{short / device_total_bytes:.3f} of the device's memory)" if device_total_bytes else ""
+        kept = (f" (after {activation_bytes / MiB:.1f} MiB of prefill activations and {graph_pool_bytes / MiB:.1f} "
+                f"MiB for CUDA graphs)" if activation_bytes or graph_pool_bytes else "")
         raise ConfigError(
-            f"{budget_field}: the cache budget of {budget_bytes / MiB:.1f} MiB holds {num_slots} state slots and "
+            f"{budget_field}: the cache budget of {budget_bytes / MiB:.1f} MiB{kept} holds {num_slots} state slots and "
             f"{num_snapshots} prefix-cache snapshot slots ({slot_bytes / MiB:.1f} MiB with a "
             f"{workspace_bytes / MiB:.1f} MiB draft workspace) and no KV page ({page_bytes} bytes each), "
             f"{short / MiB:.1f} MiB short of one: expected {budget_field} raised by at least that{by}, a smaller "
             "max_running_req or fewer prefix_snapshots")
     return MemoryPlan(budget_bytes, page_size, num_pages, num_slots, kv_bytes_per_token, state_bytes_per_slot,
-                      draft_bytes_per_slot, workspace_bytes, num_snapshots, snapshot_bytes)
+                      draft_bytes_per_slot, workspace_bytes, num_snapshots, snapshot_bytes, activation_bytes,
+                      graph_pool_bytes)
 
 
 def log_plan(plan: MemoryPlan, *, draft_ring_bytes: int = 0, draft_window_bytes: int = 0) -> None:

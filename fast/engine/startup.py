@@ -32,6 +32,7 @@ from ..speculative.mtp import FastMTPProposer
 from .config import EngineConfig
 from .memory import (MemoryPlan, cache_budget_bytes, dflash_slot_bytes, dflash_workspace_bytes, log_plan, plan_memory,
                      rebuild_group, snapshot_count)
+from .memory_profile import activation_bytes
 from .snapshots import StateSnapshots
 from ..speculative.proposer import Proposer
 
@@ -105,7 +106,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
     num_slots = cfg.max_running_req
     ring_bytes, window_bytes = dflash_slot_bytes(draft_cfg, dtype) if draft_cfg is not None else (0, 0)
     use_mtp = cfg.speculative_algorithm == "mtp"
-    budget = cache_budget_bytes(cfg, device)
+    activations = graph_pools_bytes = 0
+    if device.type == "cuda":  # the largest prefill chunk's temporaries and the graphs' pools stay out of the caches
+        graph_pools = 0 if cfg.enforce_eager or not target.capturable() else (2 if cfg.speculative else 1)
+        activations, graph_pools_bytes = activation_bytes(
+            target, max_num_batched_tokens=cfg.max_num_batched_tokens, max_step_rows=num_slots * (k + 1),
+            graph_pools=graph_pools, page_size=cfg.page_size, max_verify_rows=k + 1, mtp=use_mtp)
+    budget = cache_budget_bytes(cfg, device) - activations - graph_pools_bytes
     state_bytes = gdn_bytes_per_slot(target_cfg, dtype) + verify_bytes_per_seq(target_cfg, dtype, k + 1)
     # on CUDA the budget is everything within memory_ratio, so the draft's temporaries come out of it;
     # on CPU cpu_cache_bytes budgets the caches alone
@@ -129,6 +136,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         draft_bytes_per_slot=ring_bytes + window_bytes, workspace_bytes=workspace,
         budget_field="memory_ratio" if device.type == "cuda" else "cpu_cache_bytes",
         num_snapshots=num_snapshots + num_checkpoints, snapshot_bytes=snapshot_bytes,
+        activation_bytes=activations, graph_pool_bytes=graph_pools_bytes,
         device_total_bytes=torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
     log_plan(plan, draft_ring_bytes=ring_bytes, draft_window_bytes=window_bytes)
     pools = CachePools(target_cfg, plan.num_pages, cfg.page_size, num_slots, k + 1, dtype, device,

@@ -28,6 +28,7 @@ import time
 from dflash2.reference.request.sampling_params import SamplingParams
 
 from .engine import Engine
+from .memory_profile import log_reached
 from .prefix_cache import PrefixStats
 
 
@@ -73,4 +74,7 @@ def warm_up(engine: Engine) -> dict:
     if policy is not None:  # keep the step costs measured, not the warm-up prompts' acceptance
         engine.scheduler.depth = policy.choose
         policy.forget_acceptance()
+    device = engine.model.pools.device
+    if device.type == "cuda":  # every graph is captured now: what the memory plan estimated, beside what was reached
+        log_reached(device, cfg.memory_ratio)
     return {"requests": requests, "seconds": time.perf_counter() - started}

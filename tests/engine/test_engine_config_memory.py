@@ -210,3 +210,44 @@ def test_cuda_budget_counts_the_allocators_unused_cache_as_free(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 57 * gib)
     config = EngineConfig(model_path="m", memory_ratio=0.9)
     assert memory.cache_budget_bytes(config, torch.device("cuda")) == int(6 * gib + 3 * gib - 80 * gib * 0.1)
+
+
+def test_the_profiling_forward_runs_a_full_chunk_and_reports_the_peak_over_its_level(monkeypatch):
+    """memory_profile.forward_peak_bytes builds a one-sequence prefill of ``rows`` rows over throw-away pools and
+    returns the allocator's peak above its level before the forward (the CUDA counters are faked here; the forward
+    itself runs, so the batch it builds must be a valid prefill)."""
+    from dflash2.fast.engine import memory_profile
+    from dflash2.fast.model.target import FastTarget
+    from dflash2.reference.tiny.dummy import dummy_target_weights
+
+    counters = {"level": 1000, "peak": 0, "forwards": 0, "rows": []}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: counters["level"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: counters["level"] + counters["peak"])
+    cfg = tiny_target_config("tiny-moe")
+    target = FastTarget(cfg, dummy_target_weights(cfg, seed=0, dtype=torch.float32, device="cpu"), torch.float32, "cpu")
+    forward = target.forward
+
+    def counted(batch, pools, on_taps=None):
+        counters["forwards"] += 1
+        counters["rows"].append(batch.token_ids.shape[0])
+        counters["peak"] = 100 * batch.token_ids.shape[0]  # as if each row's temporaries took 100 bytes
+        out = forward(batch, pools, on_taps)
+        assert out.logits.shape == (1, cfg.vocab_size) and torch.isfinite(out.logits).all()
+        return out
+
+    target.forward = counted
+    assert memory_profile.forward_peak_bytes(target, 37, page_size=16, max_verify_rows=4) == 3700
+    prefill, graphs = memory_profile.activation_bytes(target, max_num_batched_tokens=64, max_step_rows=12,
+                                                      graph_pools=2, page_size=16, max_verify_rows=4)
+    assert (prefill, graphs) == (6400, 2 * 1200) and counters["rows"] == [37, 64, 12]
+    assert memory_profile.activation_bytes(target, max_num_batched_tokens=64, max_step_rows=12, graph_pools=0,
+                                           page_size=16, max_verify_rows=4) == (6400, 0)
+
+
+def test_a_refusal_names_the_activations_kept_out():
+    with pytest.raises(ConfigError, match=r"after 3\.0 MiB of prefill activations and 1\.0 MiB for CUDA graphs"):
+        plan_memory(1 << 20, page_size=16, num_slots=2, max_model_len=64, kv_bytes_per_token=1024,
+                    state_bytes_per_slot=1 << 20, activation_bytes=3 << 20, graph_pool_bytes=1 << 20)
