@@ -97,8 +97,9 @@ class CapturedStep:
 
         def cut(mark: str | None) -> None:
             with warnings.catch_warnings():
-                # two cuts in a row (a mark where nothing ran since the last cut) leave an empty graph: kept, so the
-                # marks index the graphs as captured; torch warns of it as if the capture had missed the stream
+                # a cut with nothing captured since the capture began or since the last cut leaves an empty graph:
+                # kept, so the marks index the graphs as captured; torch warns of it as if the capture had missed
+                # the stream
                 warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
                 self.graphs[-1].capture_end()
             if mark is not None:
