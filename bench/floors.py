@@ -1,4 +1,4 @@
-"""Floors: the least time a step can take on this device, from the bytes it must move.
+"""Floors: the least time a step can take on this device, from the bytes it must move or the FLOPs it must do.
 
 A decode or verify step at small batch is memory bound: every weight it uses is read once, and
 the caches it touches are read (and the GDN state written). The floor of a step is
@@ -19,6 +19,9 @@ copy, counting bytes read plus bytes written), so a slow or shared card lowers i
   written per linear-attention layer, bytes in the cache dtype.
 
 The floor counts no activation traffic and no arithmetic, so it is a bound no engine reaches.
+
+A prefill is compute bound: its floor is ``prefill_flops / matmul rate``, the rate measured in the same run
+(``bench/measure.matmul_rate``: a large bf16 GEMM), from :func:`prefill_flops` (its docstring gives the count).
 """
 
 from __future__ import annotations
@@ -91,3 +94,65 @@ def dflash_draft_bytes(draft: DraftConfig, target: TargetConfig, itemsize: int) 
             continue  # gathered rows only
         total += math.prod(shape) * itemsize
     return total + target.vocab_size * target.hidden_size * itemsize
+
+
+GDN_CHUNK = 64  # rows per chunk of the chunked gated delta rule (flash-linear-attention's BT, fast/kernels/gdn/gdn_prefill.py)
+
+
+def target_token_matmul_params(cfg: TargetConfig) -> float:
+    """Weights one prompt row multiplies in the target's layers (each one multiply-add): every matrix of the
+    ``L`` layers; the GDN's depthwise conv (K taps a channel); an MoE layer's router, its top-k routed experts
+    (``k/E`` of the expert tensors) and its shared expert with its gate. Not counted: the embedding (a row
+    gather), the LM head (:func:`prefill_flops` counts it for the rows whose logits are computed), the MTP head,
+    the vectors (norm weights, ``dt_bias``, ``A_log``: elementwise work)."""
+    total = 0.0
+    for name, shape in expected_target_shapes(cfg).items():
+        if name.startswith("mtp.") or name in ("embed_tokens.weight", "lm_head.weight") or len(shape) == 1:
+            continue
+        size = math.prod(shape)
+        if name.endswith(EXPERT_SUFFIXES):
+            size *= cfg.num_experts_per_tok / cfg.num_experts
+        total += size
+    return total
+
+
+def gdn_token_flops(cfg: TargetConfig) -> float:
+    """FLOPs of one row of the chunked gated delta rule in one GDN layer (chunk ``c = GDN_CHUNK``, per value
+    head ``Hv``; ``Dk``, ``Dv`` the head dims), the products of flash-linear-attention's chunked form, each
+    chunk's ``[c, c]`` blocks in full as its kernels compute them:
+
+    - ``A = beta K K^T`` (2 c Dk), ``(I + A)^-1`` by substitution (2 c^2 / 3: c^3 / 3 multiply-adds a chunk),
+      ``W = A^-1 (beta exp(g) K)`` and ``U = A^-1 (beta V)`` (2 c (Dk + Dv));
+    - the state ``S [Dk, Dv]``: ``V' = U - W S``, ``S += K^T V'``, ``O = Q S`` (3 x 2 Dk Dv);
+    - within the chunk: ``Q K^T`` (2 c Dk) and its masked product with ``V'`` (2 c Dv).
+
+    Per row and value head: ``6 Dk Dv + c (6 Dk + 4 Dv) + 2 c^2 / 3``. A prompt's last partial chunk is counted
+    by its rows. It is small beside the projections (0.8% of a 4,096-token prefill's FLOPs on the 27B shape, 3.3%
+    on the 35B-A3B's), so these approximations move the floor little.
+    """
+    c, dk, dv = GDN_CHUNK, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return cfg.linear_num_value_heads * (6 * dk * dv + c * (6 * dk + 4 * dv) + 2 * c * c / 3)
+
+
+def prefill_flops(cfg: TargetConfig, num_tokens: int, *, start: int = 0, logits_rows: int = 1) -> float:
+    """FLOPs of the target's forward over prompt rows ``start .. start + num_tokens - 1`` of one prompt (a whole
+    prompt of n tokens: ``start = 0``, ``num_tokens = n``; a chunk of a longer one: its start), computing
+    ``logits_rows`` rows of logits (1, the prompt's last, when the rows end the prompt; 0 for an earlier chunk).
+    A multiply-add is 2 FLOPs:
+
+        2 P num_tokens                                   the weights (P: :func:`target_token_matmul_params`)
+      + 2 V C logits_rows                                the LM head
+      + L_full 4 H D (num_tokens start + num_tokens (num_tokens + 1) / 2)
+                                                         causal attention: the row at prompt position i
+                                                         (0-based) scores i + 1 keys, Q K^T and P V 2 H D
+                                                         FLOPs a key each
+      + L_gdn num_tokens gdn_token_flops                 the GDN recurrence (:func:`gdn_token_flops`)
+
+    A prompt's chunks sum to the whole prompt's FLOPs. Not counted: elementwise work (norms, RoPE, gates, softmax),
+    and whatever a speculative proposer does during the prefill (the DFlash draft's or the MTP head's pass over the
+    prompt): the floor is the target's alone.
+    """
+    n = num_tokens
+    attention = 4 * cfg.num_attention_heads * cfg.head_dim * (n * start + n * (n + 1) / 2)
+    return (2 * target_token_matmul_params(cfg) * n + 2 * cfg.vocab_size * cfg.hidden_size * logits_rows
+            + len(cfg.full_attention_layers) * attention + len(cfg.linear_attention_layers) * n * gdn_token_flops(cfg))
