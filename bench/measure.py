@@ -17,6 +17,22 @@ def copy_bandwidth(device: torch.device | str = "cuda", num_bytes: int = 1 << 30
     return 2 * src.numel() * src.element_size() / median
 
 
+def matmul_rate(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16, size: int = 8192,
+                reps: int = 20) -> float:
+    """Dense matmul rate in FLOP/s on a CUDA device: ``2 size^3`` over the median of ``reps`` timed
+    ``[size, size] @ [size, size]`` products in ``dtype`` (random normal operands, torch's cuBLAS GEMM), after 5
+    warm-up products."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device={device}: matmul_rate times CUDA events, expected a CUDA device")
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    median = cuda_time(lambda: torch.mm(a, b, out=out), reps=reps, warmup=5)
+    return 2 * size ** 3 / median
+
+
 def cuda_time(fn, reps: int = 20, warmup: int = 3) -> float:
     """Median seconds of ``fn`` between CUDA events."""
     for _ in range(warmup):

@@ -53,6 +53,8 @@ def markdown(result: dict) -> str:
         f"- date {result['date']}, device {result['device']}, torch {result['torch']}, "
         f"git HEAD as the run saw it {result['git']} (a copied checkout may carry a stale one)",
         f"- copy bandwidth measured in this run: {result['copy_bandwidth_GBps']:.0f} GB/s (read + write)",
+        f"- bf16 matmul rate measured in this run: {_fmt(result.get('bf16_matmul_TFLOPs'), '.0f')} TFLOP/s "
+        "(8192^3 GEMM, CUDA events, median; - off CUDA)",
         f"- shape: hidden {result['shape']['hidden_size']}, {result['shape']['num_hidden_layers']} layers, "
         f"V = {result['shape']['vocab_size']}, {'MoE' if result['shape']['is_moe'] else 'dense'}",
         f"- command: `{result['command']}`",
@@ -71,9 +73,19 @@ def markdown(result: dict) -> str:
               "device read; floor: the bytes the step must move over the measured bandwidth (bench/floors.py). "
               "wall tok/s: every token of the timed generate (prefill included) over its wall time, the median of "
               f"{result['runs'][0].get('repeats', 1) if result['runs'] else 1} generate(s).",
+              "", "Prefill: the timed generate's prefill calls with the prefix cache empty, so every prompt token is "
+              "prefilled (conc x prompt tokens), at most max_num_batched_tokens rows a call, several prompts in one "
+              "call where they fit (`off:1:4096` is one 4,096-token prompt in two 2,048-row calls by default); "
+              "prefill s: their summed host wall time per generate, each prompt's last call ending on its first "
+              "token's device read (a speculative row's includes its proposer's pass over the prompt); prefill "
+              "tok/s: the rows over that time; prefill floor: the target's FLOPs for those rows "
+              "(bench/floors.prefill_flops: its weights, top-k experts only, the LM head for each prompt's last row, "
+              "causal attention, the GDN recurrence; no draft work) over the measured bf16 matmul rate, as a "
+              "fraction of prefill s.",
               "", "| setting | conc | prompt | step | step ms | floor ms | floor/step | draft ms | tok/step | "
-              "tok/s | wall tok/s | prefill s | KV tokens | draft params | ring+window MiB/slot | workspace MiB |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "tok/s | wall tok/s | prefill s | prefill tok/s | prefill floor | KV tokens | draft params | "
+              "ring+window MiB/slot | workspace MiB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         if "error" in r:
             lines.append(f"| {r['setting']} | {r['concurrency']} | {r['prompt_len']} | FAILED: {r['error'][:120]} |")
@@ -83,6 +95,7 @@ def markdown(result: dict) -> str:
             f"| {r['setting']} | {r['concurrency']} | {r['prompt_len']} | {r['step']} | {_fmt(r['step_ms_median'], '.2f')} "
             f"| {r['floor_ms']:.2f} | {_fmt(r['floor_fraction'], '.0%')} | {_fmt(r.get('draft_ms'), '.2f')} "
             f"| {_fmt(r['tokens_per_step'], '.2f')} | {_fmt(r['tokens_per_s'], '.1f')} | {_fmt(r.get('wall_tokens_per_s'), '.1f')} | {r['prefill_s']:.2f} "
+            f"| {_fmt(r.get('prefill_tokens_per_s'), '.0f')} | {_fmt(r.get('prefill_floor_fraction'), '.0%')} "
             f"| {r['kv_tokens']} | {r['draft_params'] / 1e6:.0f}M | {slot_mib:.0f} "
             f"| {r.get('workspace_bytes', 0) / 2**20:.0f} |")
     pairs = step_ratios(result["runs"])

@@ -13,14 +13,20 @@ exact run it will time (so every CUDA graph is captured and every kernel compile
 - sparse-q verify kernel: CUDA-graph replays of ``verify_ragged`` on random logits [B, k+1, V] with
   top-k 20, top-p 0.95, temperature 1 (the seed's 646 us figure: 4 requests, k = 7, graph replay);
 - tokens/s: the tokens of all requests' decode or verify steps over those steps' wall time (the
-  prefill, which yields each request's first token, is reported apart), and tokens per step.
+  prefill, which yields each request's first token, is reported apart), and tokens per step;
+- prefill: the summed host wall time of the ``ModelRunner.prefill`` calls of the timed generate, the prefix cache
+  emptied first so every prompt token is prefilled; each call runs chunks of at most max_num_batched_tokens rows in
+  all (a longer prompt takes several calls), and a call that completes a prompt ends on the device read of its
+  first token (an earlier chunk's kernels may run on into the next call's time); prefill tokens/s: the rows those
+  calls prefilled over that time.
 
 Random weights accept no drafts. ``--simulate-tokens-per-step T`` (timing only, labelled in every
 output) makes each verify keep drafts so the mean committed tokens per step is T (the seed's
 measured 5.47 on 27B, 5.39 on 35B-A3B), so the end-to-end tokens/s of a trained pair at that
 acceptance can be set beside plain decoding (bench/simulated.py wraps the engine's verifier; no serving path can).
 
-Floors (bench/floors.py) are computed from the config and the copy bandwidth measured in the run.
+Floors (bench/floors.py) are computed from the config and the copy bandwidth measured in the run (steps), or the
+bf16 matmul rate measured in the run (the prefill: the target's FLOPs, CUDA only).
 """
 
 from __future__ import annotations
@@ -44,8 +50,8 @@ from dflash2.fast.speculative.verify import verify_ragged
 from dflash2.reference.formats.config import load_target_config
 from dflash2.reference.formats.draft_config import load_draft_config
 
-from .floors import dflash_draft_bytes, mtp_draft_bytes, target_step_bytes
-from .measure import copy_bandwidth, graph_seconds
+from .floors import dflash_draft_bytes, mtp_draft_bytes, prefill_flops, target_step_bytes
+from .measure import copy_bandwidth, graph_seconds, matmul_rate
 from .simulated import SimulatedAcceptance, SimulatedVerifier, tokens_per_step
 
 SETTINGS = {"off": ("none", None), "mtp3": ("mtp", 3), "mtp7": ("mtp", 7), "dflash3": ("dflash", 3),
@@ -76,13 +82,15 @@ class StepClock:
 
     A speculative step's results come back from ``verify`` or, under overlap scheduling, from ``collect`` (the
     step launched ahead by the call before): each such call reads one step, so both count as verify steps, and
-    the host time of a ``collect`` is the wait for the step it reads (the next one is already queued).
+    the host time of a ``collect`` is the wait for the step it reads (the next one is already queued). Each prefill
+    call's chunks are kept as ``(start, length, completes_prompt)``, the rows it prefilled.
     """
 
     def __init__(self, runner, before_verify=None):
         self.runner, self.times = runner, {"decode": [], "verify": [], "prefill": []}
         self.before_verify = before_verify  # called before each verify step, outside its timing
         self.accepted: list[int] = []  # drafts kept, per request and verify step
+        self.prefill_chunks: list[tuple[int, int, bool]] = []  # every prefill call's chunks, in order
         for kind in self.times:
             setattr(runner, kind, self._timed(kind, getattr(runner, kind)))
         runner.collect = self._timed("verify", runner.collect)
@@ -96,6 +104,8 @@ class StepClock:
             self.times[kind].append(time.perf_counter() - start)
             if kind == "verify":
                 self.accepted += [r.num_accepted for r in result]
+            elif kind == "prefill":
+                self.prefill_chunks += [(c.start, c.length, c.completes_prompt) for c in args[0].chunks]
             return result
         return call
 
@@ -103,6 +113,7 @@ class StepClock:
         for values in self.times.values():
             values.clear()
         self.accepted.clear()
+        self.prefill_chunks.clear()
 
     def acceptance_by_position(self, k: int) -> list[float]:
         """P(draft i accepted) for i = 1..k: the fraction of verify rows that kept at least i drafts."""
@@ -125,7 +136,10 @@ def verify_kernel_seconds(vocab: int, num_seqs: int, k: int, device: torch.devic
     return graph_seconds(lambda: verify_ragged(logits, proposal, [k] * num_seqs, st, anchors))
 
 
-def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, bandwidth: float) -> dict:
+def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, bandwidth: float,
+            matmul_flops: float | None) -> dict:
+    """One engine, warmed up, then timed (module docstring). ``bandwidth``: copy bytes/s; ``matmul_flops``: the
+    bf16 matmul FLOP/s (None off CUDA: no prefill floor)."""
     algorithm, k = SETTINGS[setting]
     llm = LLM(args.model, max_running_req=concurrency, load_format=args.load_format, seed=args.seed,
               speculative_algorithm=algorithm, speculative_num_steps=k,
@@ -179,6 +193,7 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
     step_kind = "verify" if algorithm != "none" else "decode"
     step_times = clock.times[step_kind]
     prefill_s = sum(clock.times["prefill"])
+    prefill_tokens = sum(length for _, length, _ in clock.prefill_chunks)
     decode_s = sum(step_times)
     # the first token of each request comes from its prefill; every repeat commits the same number of tokens
     tokens = args.repeats * (sum(len(o.token_ids) for o in outs) - concurrency)
@@ -213,6 +228,15 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
         "acceptance_by_position": clock.acceptance_by_position(k) if k else [],
     }
     row["floor_fraction"] = row["floor_ms"] / row["step_ms_median"] if steps else None
+    # per timed generate, as prefill_s: the rows its prefill calls ran (every prompt token: the cache was emptied)
+    flops = sum(prefill_flops(cfg, length, start=start, logits_rows=int(last))
+                for start, length, last in clock.prefill_chunks) / args.repeats
+    row.update(prefill_tokens=prefill_tokens // args.repeats, prefill_calls=len(clock.times["prefill"]) // args.repeats,
+               max_num_batched_tokens=engine.config.max_num_batched_tokens, prefill_flops=flops,
+               prefill_tokens_per_s=prefill_tokens / prefill_s if prefill_s else None,
+               prefill_floor_s=flops / matmul_flops if matmul_flops else None)
+    row["prefill_floor_fraction"] = (row["prefill_floor_s"] / row["prefill_s"]
+                                     if row["prefill_floor_s"] is not None and prefill_s else None)
     if args.prompts:  # the texts' lengths, not prompt_len (their cap)
         row["prompt_tokens_mean"] = sum(map(len, prompts)) / len(prompts)
     if chosen_before is not None:  # an adaptive depth: the steps of the timed run at each depth (the floor is k's)
@@ -269,11 +293,13 @@ def draft_seconds(engine, concurrency: int, anchor: int, k: int) -> float:
 def run(args: BenchArgs, on_row=None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else float("nan")
+    matmul_flops = matmul_rate(device) if device.type == "cuda" else None  # bf16, the dtype ft bench's targets run in
     cfg = load_target_config(args.model)
     result = {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "command": args.command, "model": args.model, "draft": args.draft,
         "load_format": args.load_format, "copy_bandwidth_GBps": bandwidth / 1e9,
+        "bf16_matmul_TFLOPs": matmul_flops / 1e12 if matmul_flops else None,
         "shape": {"hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
                   "vocab_size": cfg.vocab_size, "is_moe": cfg.is_moe},
         "git": _git_rev(), "simulated_tokens_per_step": args.simulate_tokens_per_step, "runs": [],
@@ -284,7 +310,7 @@ def run(args: BenchArgs, on_row=None) -> dict:
                                       for b in (1, 4, 16) for k in ks or [7]}
     for setting, concurrency, prompt_len in args.runs:
         try:
-            row = run_one(args, setting, concurrency, prompt_len, bandwidth)
+            row = run_one(args, setting, concurrency, prompt_len, bandwidth, matmul_flops)
         except Exception as exc:  # one failed run is reported and the others still run
             row = {"setting": setting, "concurrency": concurrency, "prompt_len": prompt_len,
                    "error": f"{type(exc).__name__}: {exc}"}

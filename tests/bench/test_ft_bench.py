@@ -267,3 +267,52 @@ def test_seed_acceptance_simulates_each_setting_at_its_own_figure(tiny, tmp_path
     assert "seed's own committed tokens per step" in (out / "bench.md").read_text()
     with pytest.raises(SystemExit):
         main(["bench", "--model", str(target), "--simulate-tokens-per-step", "lots", "--out", str(tmp_path / "x")])
+
+
+def test_prefill_rows_count_what_the_timed_generate_prefilled(tiny, tmp_path):
+    """Each row's prefill figures: the rows its prefill calls ran per timed generate (every prompt token: the cache
+    was emptied), in chunks of max_num_batched_tokens rows, their tokens/s over prefill_s, the target's FLOPs of
+    whole prompts (chunks sum to the prompt), and on CPU no matmul rate, hence no floor."""
+    from dflash2.bench.floors import prefill_flops
+    from dflash2.bench.report import markdown
+    from dflash2.bench.run import BenchArgs, run
+    from dflash2.reference.formats.config import load_target_config
+
+    target, draft = tiny
+    args = BenchArgs(model=str(target), draft=str(draft), load_format="dummy",
+                     runs=[("off", 2, 40), ("dflash7", 1, 40)], max_tokens=4, simulate_tokens_per_step=None,
+                     out_dir=tmp_path, repeats=2, extra={"max_num_batched_tokens": 32, "speculative_depth": "fixed"})
+    result = run(args)
+    assert result["bf16_matmul_TFLOPs"] is None
+    cfg = load_target_config(target)
+    for r, concurrency in zip(result["runs"], (2, 1)):
+        assert "error" not in r, r
+        assert r["prefill_tokens"] == concurrency * 40 and r["max_num_batched_tokens"] == 32
+        assert r["prefill_calls"] >= -(-concurrency * 40 // 32)  # at most 32 rows a call
+        assert r["prefill_tokens_per_s"] == pytest.approx(r["prefill_tokens"] / r["prefill_s"])
+        assert r["prefill_flops"] == pytest.approx(concurrency * prefill_flops(cfg, 40))
+        assert r["prefill_floor_s"] is None and r["prefill_floor_fraction"] is None
+    text = markdown(result)
+    assert "| prefill s | prefill tok/s | prefill floor |" in text and "bf16 matmul rate measured in this run: -" in text
+    off = result["runs"][0]
+    assert f"| {off['prefill_s']:.2f} | {off['prefill_tokens_per_s']:.0f} | - |" in text
+
+
+def test_prefill_tokens_follow_the_prompts_cut_lengths(tmp_path):
+    """--prompts: the prefill counts each text's own token count (capped at prompt_len), not prompt_len."""
+    target = write_tiny_target(tmp_path / "target", "tiny-dense")  # with a tokenizer
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": ["def f(x):\n    return x\n", "class A:\n    pass\n" * 20]}))
+    out = tmp_path / "out"
+    assert main(["bench", "--model", str(target), "--load-format", "dummy", "--runs", "off:2:24", "--max-tokens", "4",
+                 "--prompts", str(prompts), "--out", str(out)]) == 0
+    run = json.loads((out / "bench.json").read_text())["runs"][0]
+    assert 2 < run["prompt_tokens_mean"] < 24  # the first text is shorter than 24 tokens, the second is cut to 24
+    assert run["prefill_tokens"] == 2 * run["prompt_tokens_mean"]
+
+
+def test_matmul_rate_refuses_a_device_without_cuda_events():
+    from dflash2.bench.measure import matmul_rate
+
+    with pytest.raises(ValueError, match="device=cpu"):
+        matmul_rate("cpu")
