@@ -11,7 +11,8 @@
 #      seed's tokens per step of each setting simulated (timing only; `--simulate-tokens-per-step seed`;
 #      BENCH_SIM overrides, BENCH_SIM= turns it off);
 #      BENCH_SHAPES, BENCH_TOKENS, BENCH_FLAGS change it;
-#   6. print a short summary table last (after stage 7 when it runs).
+#   6. print a short summary table last (after stage 7 when it runs): each ft bench row through its prefill tok/s
+#      and prefill floor columns (the rest of the table is in bench.md);
 #   7. with SERVE_LOAD=1, bench/load_serve.py against `ft serve` (MoE shape, dummy weights, loopback); with
 #      MULTI_TURN=1, its multi-turn chat workload with the prefix cache on and off (MoE shape, DFlash k=7);
 # SKIP_CONFORMANCE=1 / SKIP_KERNELS=1 / SKIP_BENCH=1 skip a stage. Seen on the H200 (2026-12-01): the kernel
@@ -99,7 +100,7 @@ printf "%-28s %s\n" "kernel benches rc" "$kernels_rc"
 for f in "$out"/bench_*.log; do [ -f "$f" ] && { echo "-- $(basename "$f" .log)"; tail -12 "$f"; }; done
 printf "%-28s %s\n" "ft bench rc" "$bench_rc"
 for d in "$out"/bench-*/; do
-  [ -f "$d/bench.md" ] && { echo "-- $(basename "$d")"; grep '^|' "$d/bench.md" | cut -c1-160; }
+  [ -f "$d/bench.md" ] && { echo "-- $(basename "$d")"; grep '^- bf16 matmul' "$d/bench.md"; grep '^|' "$d/bench.md" | cut -d'|' -f1-15 | sed 's/[^|]$/&|/'; }
 done
 [ -n "${SERVE_LOAD:-}" ] && printf "%-28s %s\n" "serve load rc" "$serve_rc" && tail -14 "$out/serve-load.log"
 [ -n "${MULTI_TURN:-}" ] && printf "%-28s %s\n" "multi-turn rc" "$multi_rc" && grep '^|' "$out/multi-turn.log" | head -14
