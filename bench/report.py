@@ -114,6 +114,16 @@ def markdown(result: dict) -> str:
                       f"{prof['total_gpu_ms']:.1f} ms of GPU time", "", "| kernel | calls | GPU ms | share |",
                       "|---|---|---|---|"]
             lines += [f"| `{k['name']}` | {k['calls']} | {k['gpu_ms']:.2f} | {k['share']:.1%} |" for k in prof["kernels"]]
+    budgets = [r for r in result["runs"] if "error" not in r and r.get("kv_tokens_budget") is not None]
+    if budgets:
+        lines += ["", "KV tokens the cache budget holds (before the cap of concurrency x max_model_len), the "
+                  "activations kept out of it (a profiling forward of the largest prefill chunk; CUDA graph pools), and "
+                  "the seed's engine at this shape on its 80 GB card (max_running_req 4, default memory settings):", ""]
+        lines += [f"- {r['setting']} c={r['concurrency']}: {r['kv_tokens_budget']:,} KV tokens"
+                  + (f" (the seed's {r['seed_kv_tokens']:,}: {r['kv_tokens_budget'] / r['seed_kv_tokens']:.2f}x)"
+                     if r.get("seed_kv_tokens") else "")
+                  + f"; activations {r.get('activation_bytes', 0) / 2**20:.0f} MiB, graph pools "
+                    f"{r.get('graph_pool_bytes', 0) / 2**20:.0f} MiB" for r in budgets]
     if result.get("verify_kernel_us"):
         lines += ["", "Sparse-q verify with target probabilities (top-k 20, top-p 0.95, T = 1, V = "
                   f"{result['shape']['vocab_size']}), CUDA events, median:", ""]

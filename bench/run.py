@@ -52,6 +52,7 @@ from dflash2.reference.formats.draft_config import load_draft_config
 
 from .floors import dflash_draft_bytes, mtp_draft_bytes, prefill_flops, target_step_bytes
 from .measure import copy_bandwidth, graph_seconds, matmul_rate
+from .seed_figures import seed_kv_tokens
 from .simulated import SimulatedAcceptance, SimulatedVerifier, tokens_per_step
 
 SETTINGS = {"off": ("none", None), "mtp3": ("mtp", 3), "mtp7": ("mtp", 7), "dflash3": ("dflash", 3),
@@ -221,6 +222,12 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
         "prefill_s": prefill_s / args.repeats, "wall_s": wall, "wall_s_runs": walls, "repeats": args.repeats,
         "wall_tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
         "kv_tokens": model.memory.kv_tokens, "draft_params": draft_params,
+        # what the budget holds before the cap of concurrency x max_model_len (the run's own prompts need far fewer),
+        # beside the seed's engine at this shape on its card (bench/seed_figures.py; None elsewhere)
+        "kv_tokens_budget": model.memory.budget_pages * model.memory.page_size,
+        "seed_kv_tokens": seed_kv_tokens(cfg, setting, torch.cuda.get_device_properties(runner.device).total_memory
+                                         if runner.device.type == "cuda" else None),
+        "activation_bytes": model.memory.activation_bytes, "graph_pool_bytes": model.memory.graph_pool_bytes,
         "weights_GiB": model.load_bytes[0] / 2**30 if model.load_bytes else None,
         "load_peak_over_weights_GiB": (model.load_bytes[1] - model.load_bytes[0]) / 2**30 if model.load_bytes else None,
         "workspace_bytes": model.memory.workspace_bytes,

@@ -48,6 +48,7 @@ class MemoryPlan:
     snapshot_bytes: int = 0  # one snapshot slot: the GDN state and the proposer's saved state
     activation_bytes: int = 0  # CUDA: the largest prefill chunk's measured peak, kept out of the budget
     graph_pool_bytes: int = 0  # CUDA: the graphs' pools allowance, kept out of the budget
+    budget_pages: int = 0  # the pages the budget holds before the cap of max_running_req x max_model_len tokens
 
     @property
     def kv_tokens(self) -> int:
@@ -130,8 +131,8 @@ def plan_memory(budget_bytes: int, *, page_size: int, num_slots: int, max_model_
     slot_bytes = num_slots * (state_bytes_per_slot + draft_bytes_per_slot) + workspace_bytes
     slot_bytes += num_snapshots * snapshot_bytes
     page_bytes = page_size * kv_bytes_per_token
-    num_pages = max(0, budget_bytes - slot_bytes) // page_bytes if page_bytes else 0
-    num_pages = min(num_pages, num_slots * pages_for(max_model_len, page_size))
+    budget_pages = max(0, budget_bytes - slot_bytes) // page_bytes if page_bytes else 0
+    num_pages = min(budget_pages, num_slots * pages_for(max_model_len, page_size))
     if num_pages < 1:
         short = slot_bytes + page_bytes - budget_bytes
         by = f" (+{short / device_total_bytes:.3f} of the device's memory)" if device_total_bytes else ""
@@ -145,13 +146,15 @@ def plan_memory(budget_bytes: int, *, page_size: int, num_slots: int, max_model_
             "max_running_req or fewer prefix_snapshots")
     return MemoryPlan(budget_bytes, page_size, num_pages, num_slots, kv_bytes_per_token, state_bytes_per_slot,
                       draft_bytes_per_slot, workspace_bytes, num_snapshots, snapshot_bytes, activation_bytes,
-                      graph_pool_bytes)
+                      graph_pool_bytes, budget_pages)
 
 
 def log_plan(plan: MemoryPlan, *, draft_ring_bytes: int = 0, draft_window_bytes: int = 0) -> None:
-    logger.info("KV cache: %d tokens (%d pages of %d), %.1f MiB; %d state slots of %.2f MiB",
+    logger.info("KV cache: %d tokens (%d pages of %d), %.1f MiB; %d state slots of %.2f MiB%s",
                 plan.kv_tokens, plan.num_pages, plan.page_size, plan.kv_tokens * plan.kv_bytes_per_token / MiB,
-                plan.num_slots, plan.state_bytes_per_slot / MiB)
+                plan.num_slots, plan.state_bytes_per_slot / MiB,
+                f" (the budget holds {plan.budget_pages * plan.page_size} tokens; max_running_req x max_model_len "
+                "caps them)" if plan.budget_pages > plan.num_pages else "")
     if plan.draft_bytes_per_slot:
         logger.info("DFlash draft per slot: %.2f MiB (K/V ring %.2f MiB + dflash_window %.2f MiB), %d slots: %.1f MiB",
                     plan.draft_bytes_per_slot / MiB, draft_ring_bytes / MiB, draft_window_bytes / MiB,

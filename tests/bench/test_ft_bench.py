@@ -316,3 +316,26 @@ def test_matmul_rate_refuses_a_device_without_cuda_events():
 
     with pytest.raises(ValueError, match="device=cpu"):
         matmul_rate("cpu")
+
+
+def test_the_seeds_kv_tokens_are_set_beside_the_real_shapes_on_an_80gb_card(tiny):
+    from dflash2.bench.seed_figures import seed_kv_tokens
+    from dflash2.reference.formats.config import load_target_config
+
+    h100 = 81559 * 2**20
+    moe, dense = (load_target_config(f"bench/shapes/{s}") for s in ("qwen3.5-35b-a3b", "qwen3.5-27b"))
+    assert seed_kv_tokens(moe, "off", h100) == 224198 and seed_kv_tokens(moe, "dflash7", h100) == 142110
+    assert seed_kv_tokens(dense, "off", h100) == 253435
+    assert seed_kv_tokens(moe, "off", 143771 * 2**20) is None  # an H200: not the seed's card
+    assert seed_kv_tokens(moe, "off", None) is None  # the CPU
+    assert seed_kv_tokens(load_target_config(tiny[0]), "off", h100) is None
+
+
+def test_a_run_reports_the_kv_tokens_its_budget_holds(tiny, tmp_path):
+    target, _ = tiny
+    out = tmp_path / "out"
+    assert main(["bench", "--model", str(target), "--load-format", "dummy", "--runs", "off:1:8", "--max-tokens", "4",
+                 "--out", str(out)]) == 0
+    row = json.loads((out / "bench.json").read_text())["runs"][0]
+    assert row["kv_tokens_budget"] >= row["kv_tokens"] > 0 and row["seed_kv_tokens"] is None
+    assert f"- off c=1: {row['kv_tokens_budget']:,} KV tokens; activations 0 MiB" in (out / "bench.md").read_text()

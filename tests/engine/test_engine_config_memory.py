@@ -80,6 +80,7 @@ def test_plan_puts_slots_first_then_pages_capped_by_what_requests_can_use():
     capped = plan_memory(10**9, page_size=4, num_slots=2, max_model_len=10, kv_bytes_per_token=10,
                          state_bytes_per_slot=0)
     assert capped.num_pages == 2 * 3  # two requests of 10 tokens: 3 pages each
+    assert capped.budget_pages == 10**9 // 40 and plan.budget_pages == plan.num_pages  # what the budget holds uncapped
     with pytest.raises(ConfigError, match="cpu_cache_bytes: the cache budget of .* no KV page .* 0.0 MiB short"):
         plan_memory(3039, page_size=4, num_slots=2, max_model_len=10, kv_bytes_per_token=10,
                     state_bytes_per_slot=1000, draft_bytes_per_slot=500, budget_field="cpu_cache_bytes")
