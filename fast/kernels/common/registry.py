@@ -71,6 +71,10 @@ KERNELS: tuple[KernelTwin, ...] = (
     KernelTwin("moe",  # torch twin: one matmul pair per active expert, a host sync
                ("dflash2.fast.kernels.moe.moe:moe_experts_torch", "dflash2.fast.kernels.moe.moe:moe_experts_triton"),
                "dflash2.reference.model.moe:routed_experts", "conformance/ops/test_moe.py"),
+    KernelTwin("moe_grouped",  # prefill's routed experts; twins: moe.py's torch form and the alignment written out
+               ("dflash2.fast.kernels.moe.moe_grouped:align_by_expert_torch",
+                "dflash2.fast.kernels.moe.moe_grouped:moe_experts_grouped"),
+               "dflash2.reference.model.moe:routed_experts", "conformance/ops/test_moe_grouped.py"),
     KernelTwin("moe_router",  # softmax + top-k + renormalise; the torch twin breaks ties by the lowest id
                ("dflash2.fast.kernels.moe.moe_router:route_torch", "dflash2.fast.kernels.moe.moe_router:route_triton"),
                "dflash2.reference.model.moe:route", "conformance/ops/test_moe_router.py"),

@@ -47,8 +47,9 @@ turns it off, bit for bit the same): each launch then hides under the previous k
 
 No host sync and no data-dependent shape: the grids and buffers depend on (N, k, E, C, I) only.
 What bounds it: the weight bytes of the distinct experts chosen (memory); the partials add
-``2 P T C x 4`` bytes and the id scans ``P x T x P`` loads from L2, which is why the model's
-dispatch sends more than :data:`MAX_TRITON_PAIRS` pairs (a long prefill) to the torch form.
+``2 P T C x 4`` bytes and the id scans ``P x T x P`` loads from L2, which is why the op
+(:func:`moe_experts_gpu`) sends more than :data:`MAX_TRITON_PAIRS` pairs (a long prefill) to the
+grouped GEMM of ``moe_grouped.py`` (the pairs sorted by expert into blocks, tensor-core tiles).
 bench/kernels/bench_moe.py measures the fraction of the floor reached.
 
 A precondition that cannot be checked without a sync: every id in ``[0, E)``. (A row may repeat
@@ -67,7 +68,7 @@ from ..common.pdl import launch_options, pdl_enabled
 from ..common.triton_compat import tl, triton
 from ..dense.swiglu import swiglu
 
-MAX_TRITON_PAIRS = 2048  # (row, choice) pairs; above, the id scans grow as P^2 (bench_moe.py's N = 256 is the limit)
+MAX_TRITON_PAIRS = 2048  # (row, choice) pairs; above, the id scans grow as P^2: the grouped GEMM (crossover not measured)
 
 
 @dataclass(frozen=True)
@@ -450,8 +451,19 @@ def moe_experts_torch(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: T
     return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, rows, weighted)
 
 
-# CUDA tensors of up to MAX_TRITON_PAIRS (row, choice) pairs (decode and verify steps), and any size inside a
-# CUDA-graph capture, go to the sync-free kernels; long prefills to the torch form
-moe_experts = KernelOp("moe_experts", moe_experts_torch, GpuForm(
-    moe_experts_triton, fits=lambda x, expert_ids, *_: expert_ids.numel() <= MAX_TRITON_PAIRS),
-    torch_capturable=False)
+from . import moe_grouped  # noqa: E402 - after the names it takes from this module (it imports this one first)
+
+
+def moe_experts_gpu(x: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """The op's GPU form: this module's kernels up to :data:`MAX_TRITON_PAIRS` (row, choice) pairs (decode and
+    verify steps), the grouped GEMM of ``moe_grouped.py`` above (prefill chunks). Chosen here by the pair count,
+    not by two forms' ``fits``: inside a CUDA-graph capture the op takes its first GPU form whatever its ``fits``
+    (fast/kernels/common/dispatch.py), and a captured step must run the kernels an eager one of its size runs."""
+    if expert_ids.numel() <= MAX_TRITON_PAIRS:
+        return moe_experts_triton(x, expert_ids, weights, gate_up, down)
+    return moe_grouped.moe_experts_grouped(x, expert_ids, weights, gate_up, down)
+
+
+# CUDA tensors go to the sync-free kernels at every size (moe_experts_gpu), so the op is capturable; the torch
+# form (a host read of the counts) runs on the CPU
+moe_experts = KernelOp("moe_experts", moe_experts_torch, GpuForm(moe_experts_gpu), torch_capturable=False)
