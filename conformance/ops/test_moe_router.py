@@ -8,7 +8,8 @@ partial-logits scratch poisoned with NaN; two runs bitwise equal. Exact ties, pl
 router rows, must follow the stated rule (the lowest expert id first) in the kernel and in the torch
 twin alike. Planted bugs (the opposite tie rule, weights not renormalised, one id off by one) must
 fail the checks. On CUDA, a CUDA-graph replay equals the eager call bit for bit, at the released
-model's shapes too (16 and 128 rows there take the split defaults)."""
+model's shapes too (16 and 128 rows there take the split defaults; 4096, a prefill chunk, the op's GPU form too:
+the op picks it at every row count)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import pytest
 import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
+from dflash2.fast.kernels.common.dispatch import forced_gpu
+from dflash2.fast.kernels.common.triton_compat import HAS_TRITON
 from dflash2.fast.kernels.moe.moe_router import RouterBlocks, default_blocks, route_torch, route_triton
 from dflash2.fast.kernels.moe.moe_router import route
 from dflash2.reference.model.moe import route as reference_route
@@ -134,6 +137,24 @@ def test_route_default_dispatch_on_cpu():
         assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="the GPU form needs triton")
+def test_route_takes_a_prefill_chunk_on_the_gpu_form(report):
+    """The op's GPU form takes every row count: a prefill chunk routes by the kernels, as decode and verify steps
+    do (under forced_gpu on the CPU: the interpreter). A 4096-row chunk picks the kernels; 100 rows (seven
+    blocks of 16, the last partial), E = 17, k = 3 run through the op: ids EXACT and weights NUMERIC against the
+    reference, the op's result the launcher's bit for bit."""
+    x, w_router = make_inputs(100, 17, seed=600)
+    assert min_gap(x, w_router, 3) > 1e-5, "the case has a near tie: EXACT ids would test rounding"
+    with forced_gpu([route]):
+        assert route.pick(x.new_zeros(4096, HIDDEN), w_router, 3) is route_triton
+        ids, weights = route(x, w_router, 3)
+    ref_ids, ref_weights = reference_route(x.double(), w_router.double(), 3)
+    assert torch.equal(ids, ref_ids), "expert ids differ from the reference (EXACT)"
+    report.numeric("weights/float32", weights, ref_weights, NUMERIC_BOUND[torch.float32])
+    again = route_triton(x, w_router, 3)
+    assert torch.equal(again[0], ids) and torch.equal(again[1], weights)
+
+
 def test_route_no_rows(impl_device):
     impl, device = impl_device
     x, w_router = make_inputs(1, 7, seed=5)
@@ -231,7 +252,7 @@ def _graph_replay_equals_eager(x: torch.Tensor, w_router: torch.Tensor, top_k: i
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the released shapes run in the GPU lane")
-@pytest.mark.parametrize("rows", [1, 16, 128])
+@pytest.mark.parametrize("rows", [1, 16, 128, 4096])
 def test_route_at_released_shapes(report, rows):
     """Qwen3.5-35B-A3B's router (C = 2048, E = 256, k = 8), bf16 x: ids EXACT and weights NUMERIC
     (fp32) against the torch twin, exact under graph replay, and the model's dispatch sends it here."""

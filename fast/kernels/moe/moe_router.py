@@ -265,10 +265,7 @@ def route_triton(x: Tensor, w_router: Tensor, top_k: int, *, shared_gate: bool =
     return expert_ids, weights
 
 
-MAX_TRITON_ROUTE_ROWS = 512  # above (long prefills) cuBLAS's GEMM, not the kernel's CUDA-core products (unmeasured)
-
-# ``(expert_ids [N, k] int64, weights [N, k] fp32)``; the kernels (no host sync) for CUDA tensors of at most
-# MAX_TRITON_ROUTE_ROWS rows, and of any size inside a CUDA-graph capture
-route = KernelOp("route", route_torch,
-                 GpuForm(route_triton, fits=lambda x, *_, **__: x.shape[0] <= MAX_TRITON_ROUTE_ROWS),
-                 gpu_in_capture=True)
+# ``(expert_ids [N, k] int64, weights [N, k] fp32)``; the kernels (no host sync) for CUDA tensors of every row
+# count: a prefill chunk routes by the same arithmetic and tie rule as the decode and verify steps, eager or captured
+# (the kernel's fp32 CUDA-core products against the torch form's GEMM at prefill sizes: not yet measured)
+route = KernelOp("route", route_torch, GpuForm(route_triton))
