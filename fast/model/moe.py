@@ -5,7 +5,9 @@
 
 The router and the routed experts are ops of ``fast/kernels/moe/`` (``route``, ``moe_experts``: the torch
 twin of the experts groups the (row, choice) pairs by expert and reads the per-expert counts on the host,
-the kernels are sync-free and capturable). Where the shared expert has the routed experts' width, a decode
+the kernels are sync-free and capturable). On CUDA both run their kernels at every size: a prefill chunk's
+routed experts (more than ``MAX_TRITON_PAIRS`` pairs) the grouped GEMM of ``moe_grouped.py``, the shared
+expert beside them by cuBLAS. Where the shared expert has the routed experts' width, a decode
 or verify step on CUDA runs the whole sublayer as four kernels (:data:`moe_sublayer`, :class:`FastMoE`).
 """
 

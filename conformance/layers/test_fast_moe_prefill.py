@@ -1,0 +1,55 @@
+"""The MoE sublayer (fast/model/moe.py ``FastMoE``) prefilling a chunk of rows on its GPU forms: the router kernels
+and the routed experts' grouped GEMM (fast/kernels/moe/moe_grouped.py), the shared expert beside them. Under
+forced_gpu on the CPU (Triton's interpreter), with the op's pair bound lowered so that a chunk small enough for
+the interpreter passes it; against the sublayer's torch form and the reference's ``SparseMoE`` in fp32 (NUMERIC),
+for a shared expert stored as expert E and for one of another width."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash2.fast.kernels.common.dispatch import forced_gpu
+from dflash2.fast.kernels.common.triton_compat import HAS_TRITON
+from dflash2.fast.kernels.moe import moe, moe_grouped
+from dflash2.fast.model.moe import SHARED_PAIR_ROWS, FastMoE
+from dflash2.fast.model.params import Params
+from dflash2.reference.model.moe import SparseMoE
+from dflash2.reference.tiny.target import TinyTargetSpec, tiny_target_config
+from dflash2.reference.tiny.weights import tiny_target_weights
+
+PREFIX = "layers.1."
+ROWS = 40  # a prefill chunk: past SHARED_PAIR_ROWS, so the sublayer runs route, the routed experts, the shared one
+
+
+def rms_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the GPU forms need triton")
+@pytest.mark.parametrize("shared_width", [20, 28], ids=["shared_as_expert", "shared_of_another_width"])
+def test_prefill_chunk_goes_through_the_grouped_gemm(monkeypatch, shared_width):
+    spec = TinyTargetSpec(kind="moe", num_layers=2, full_attention_interval=2, num_experts=9, num_experts_per_tok=3,
+                          moe_intermediate_size=20, shared_expert_intermediate_size=shared_width, seed=5)
+    cfg = tiny_target_config(spec)
+    weights = tiny_target_weights(cfg, seed=5)
+    layer = FastMoE(cfg, Params(cfg, weights, torch.float32, "cpu"), PREFIX)
+    x = torch.randn(ROWS, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    pairs = ROWS * cfg.num_experts_per_tok
+    assert ROWS > SHARED_PAIR_ROWS
+    monkeypatch.setattr(moe, "MAX_TRITON_PAIRS", pairs - 1)  # the chunk is past the bound by one pair
+    # not capturing: a CPU-only torch raises here rather than answering (the op asks, being gpu_in_capture)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    seen = []
+    grouped = moe_grouped.moe_experts_grouped
+    monkeypatch.setattr(moe_grouped, "moe_experts_grouped",
+                        lambda *a, **k: seen.append(a[1].shape) or grouped(*a, **k))
+    with forced_gpu():
+        got = layer.forward(x)
+    assert seen == [(ROWS, cfg.num_experts_per_tok)], "the routed experts did not go through the grouped GEMM"
+    assert got.dtype == x.dtype and got.shape == x.shape
+    torch_form = layer.forward(x)  # CPU tensors, nothing forced: every op's torch form
+    for what, other in (("the torch form", torch_form), ("the reference", SparseMoE(cfg, weights, PREFIX).forward(x))):
+        rel = rms_rel(got, other)
+        assert rel <= 1e-5, f"grouped prefill vs {what}: rms-relative error {rel:.2e} > 1e-5 (NUMERIC, fp32)"
