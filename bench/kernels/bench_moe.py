@@ -17,6 +17,12 @@ per-kernel profile follow. Bandwidth: the nominal 4.25e12 B/s and a device-to-de
 
 ``--sweep-only N,..`` runs the sweep alone; ``--pdl-ab N,..`` PDL off / on and ``--blocks-ab N`` the default blocks
 against ``BLOCKS_AB[N]``'s candidates, each in interleaved rounds of CUDA-graph replays.
+
+``--prefill N,..`` (alone; e.g. 256,512,2048,4096) times prefill chunks instead: the grouped GEMM
+(fast/kernels/moe/moe_grouped.py, the op's form past MAX_TRITON_PAIRS pairs) as CUDA-graph replays of PREFILL_LAYERS
+layers, beside the torch form and, up to PER_PAIR_MAX_ROWS rows, the per-pair kernels (where the two cross); its
+floor is the larger of the FLOPs ``2 P (2 I C + C I)`` over a bf16 matmul rate measured here (cuBLAS, 8192^3)
+and the chosen experts' weight bytes over the nominal bandwidth. Same checks as above.
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ from triton.testing import do_bench
 
 from dflash2.fast.kernels.moe.moe import MAX_TRITON_PAIRS, MoEBlocks, default_blocks, moe_experts_triton
 from dflash2.fast.kernels.moe.moe import moe_experts_torch
+from dflash2.fast.kernels.moe.moe_grouped import GroupedBlocks, moe_experts_grouped
 from dflash2.fast.kernels.common.pdl import launch_settings
-from dflash2.bench.measure import copy_bandwidth, rms_rel
+from dflash2.bench.measure import copy_bandwidth, matmul_rate, rms_rel
 
 HIDDEN, WIDTH, EXPERTS, TOP_K = 2048, 512, 256, 8
 ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
@@ -134,7 +141,54 @@ def bench_rows(rows: int, layers, gen: torch.Generator, bandwidth: float) -> dic
             "runs_bitwise_equal": all(torch.equal(a, b) for a, b in zip(eager, again)),
             "graph_bitwise_equal": all(torch.equal(a, b) for a, b in zip(outs, eager)),
             "blocks": asdict(default_blocks(rows)),
-            "model_dispatch_eager": "triton" if rows * TOP_K <= MAX_TRITON_PAIRS else "torch"}
+            "model_dispatch_eager": "per-pair" if rows * TOP_K <= MAX_TRITON_PAIRS else "grouped"}
+
+
+PREFILL_LAYERS = 4  # layers a replay runs at prefill sizes (each call is hundreds of us: fewer layers suffice)
+PER_PAIR_MAX_ROWS = 512  # past it the per-pair kernels' P^2 id scans take too long to time
+
+
+def bench_prefill(rows: int, layers, gen: torch.Generator, rate: float) -> dict:
+    """A prefill chunk of ``rows`` rows: the grouped GEMM's graph replays against its floor (module docstring), the
+    torch form and, up to PER_PAIR_MAX_ROWS rows, the per-pair kernels; us per layer."""
+    layers = layers[:PREFILL_LAYERS]
+    args, distinct, bytes_floor_us = routed_case(rows, layers, gen)
+    flops = 2 * rows * TOP_K * (2 * WIDTH * HIDDEN + HIDDEN * WIDTH)
+    flops_floor_us = flops / rate * 1e6
+    floor_us = max(flops_floor_us, bytes_floor_us)
+    eager = [moe_experts_grouped(*a) for a in args]
+    again = [moe_experts_grouped(*a) for a in args]
+    reference = [moe_experts_torch(*a) for a in args]
+    errors = [rms_rel(y, r) for y, r in zip(eager, reference)]
+    outs: list[torch.Tensor] = []
+
+    def step() -> None:
+        outs[:] = [moe_experts_grouped(*a) for a in args]
+
+    graph = capture(step)
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+
+    def per_layer(fn, rep=100) -> float:
+        return do_bench(fn, warmup=5, rep=rep, return_mode="median") * 1e3 / len(layers)
+
+    graph_us = per_layer(graph.replay)
+    torch_us = per_layer(lambda: [moe_experts_torch(*a) for a in args])
+    result = {"rows": rows, "pairs": rows * TOP_K, "distinct_experts": distinct, "flops": flops,
+              "flops_floor_us": flops_floor_us, "bytes_floor_us": bytes_floor_us, "floor_us": floor_us,
+              "graph_us": graph_us, "torch_us": torch_us, "fraction_of_floor": floor_us / graph_us,
+              "tflops": flops / graph_us / 1e6, "speedup_vs_torch": torch_us / graph_us,
+              "rms_rel_vs_torch": max(errors), "numeric_ok": max(errors) <= 2e-2,
+              "runs_bitwise_equal": all(torch.equal(a, b) for a, b in zip(eager, again)),
+              "graph_bitwise_equal": all(torch.equal(a, b) for a, b in zip(outs, eager)),
+              "blocks": asdict(GroupedBlocks()),
+              "model_dispatch": "grouped" if rows * TOP_K > MAX_TRITON_PAIRS else "per-pair"}
+    if rows <= PER_PAIR_MAX_ROWS:
+        per_pair = capture(lambda: [moe_experts_triton(*a) for a in args])
+        result["per_pair_graph_us"] = per_layer(per_pair.replay)
+    return result
 
 
 def sweep(layers, gen: torch.Generator, only_rows: set[int] | None = None) -> list[dict]:
@@ -243,6 +297,8 @@ def main() -> None:
                         help="comma-separated row counts: only the PDL on / off A/B at those (pdl_ab)")
     parser.add_argument("--blocks-ab", default=None, type=int,
                         help="a row count of BLOCKS_AB: only its default / candidate A/B (blocks_ab)")
+    parser.add_argument("--prefill", default=None,
+                        help="comma-separated row counts (e.g. 256,512,2048,4096): only the prefill chunks (bench_prefill)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe.py needs CUDA")
@@ -262,6 +318,13 @@ def main() -> None:
         only = only or set()
     if args.blocks_ab is not None:
         results["blocks_ab"] = blocks_ab(layers, gen, args.blocks_ab)
+        only = only or set()
+    if args.prefill is not None:
+        results["matmul_rate"] = matmul_rate()
+        results["prefill"] = []
+        for rows in (int(r) for r in args.prefill.split(",")):
+            results["prefill"].append(bench_prefill(rows, layers, gen, results["matmul_rate"]))
+            print(f"prefill N={rows} done at {time.perf_counter() - start:.1f} s", flush=True)
         only = only or set()
     for rows in ROWS if only is None else ():
         results["rows"].append(bench_rows(rows, layers, gen, bandwidth))
@@ -298,6 +361,18 @@ def main() -> None:
               f"st{b['num_stages']} w{b['num_warps']} s{b['sum_block_c']}: {s['graph_us']:8.1f} us  "
               f"{100 * s['fraction_of_floor']:5.1f}% of floor"
               + ("" if s.get("numeric_ok", True) else "  NUMERIC FAIL"))
+    if "prefill" in results:
+        print(f"prefill: bf16 matmul {results['matmul_rate'] / 1e12:.0f} TFLOP/s (measured), weights at "
+              f"{NOMINAL_BW / 1e12:.2f} TB/s; us per layer")
+        print(f"{'N':>5} {'experts':>7} {'flop fl':>8} {'byte fl':>8} {'graph us':>9} {'floor %':>7} {'TFLOP/s':>7} "
+              f"{'torch us':>9} {'x torch':>7} {'per-pair':>9} {'rms-rel':>8} exact")
+        for r in results["prefill"]:
+            exact = "yes" if r["runs_bitwise_equal"] and r["graph_bitwise_equal"] else "NO"
+            per_pair = f"{r['per_pair_graph_us']:>9.1f}" if "per_pair_graph_us" in r else f"{'-':>9}"
+            print(f"{r['rows']:>5} {r['distinct_experts']:>7.1f} {r['flops_floor_us']:>8.1f} {r['bytes_floor_us']:>8.1f} "
+                  f"{r['graph_us']:>9.1f} {100 * r['fraction_of_floor']:>6.1f}% {r['tflops']:>7.1f} "
+                  f"{r['torch_us']:>9.1f} {r['speedup_vs_torch']:>7.1f} {per_pair} {r['rms_rel_vs_torch']:>8.1e} {exact}"
+                  + ("" if r["numeric_ok"] else "  NUMERIC FAIL"))
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (floor below at {NOMINAL_BW / 1e12:.2f}); "
           f"{results['seconds']:.1f} s in all")
     print(f"{'N':>4} {'experts':>7} {'floor us':>9} {'graph us':>9} {'floor %':>7} {'eager us':>9} {'torch us':>9} "
