@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Regenerate the golden GGUF files of tests/formats/gguf/golden with llama.cpp's own converter.
+#
+# The opt-in lane of issue 35: nothing is built. The converter (convert_hf_to_gguf.py, its
+# conversion/ package and the gguf-py it vendors, which knows the `dflash` arch) is pure Python and
+# ships in the llama-cpp-python 0.3.36 source distribution; it runs on the tiny checkpoints that
+# reference/tiny writes. Usage (from the repository root, network for the one sdist download):
+#
+#     scripts/gguf_golden.sh                 # default interpreter .venv/bin/python
+#     PYTHON=python3 LLAMA_CPP_SDIST=/path/to/llama_cpp_python-0.3.36 scripts/gguf_golden.sh
+#
+# Two departures from a plain converter run, both outside the tensor mapping under test:
+# - the tiny tokenizer (reference/tiny/tokenizer.py 'small') splits text with Qwen3.5's regex but
+#   has its own 500-token vocabulary, whose fingerprint is not in the converter's table of known
+#   pre-tokenizers; the wrapper below names it 'qwen35' when, and only when, tokenizer.json's
+#   split regex is Qwen3.5's exactly, and otherwise lets the converter refuse as usual;
+# - the tiny draft's config.json gains "use_sliding_window": true, without which the converter
+#   drops the window (dflash.attention.sliding_window) and llama.cpp would run the draft unwindowed.
+set -euo pipefail
+
+PYTHON=${PYTHON:-.venv/bin/python}
+VERSION=0.3.36
+OUT=tests/formats/gguf/golden
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+
+if [[ -z "${LLAMA_CPP_SDIST:-}" ]]; then
+    "$PYTHON" -m pip download --quiet --no-deps --no-binary=:all: "llama-cpp-python==$VERSION" -d "$WORK/sdist"
+    tar -xzf "$WORK/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$WORK/sdist"
+    LLAMA_CPP_SDIST="$WORK/sdist/llama_cpp_python-$VERSION"
+fi
+LLAMA="$LLAMA_CPP_SDIST/vendor/llama.cpp"
+
+"$PYTHON" - "$WORK/src" <<'PY'
+import json, sys
+from pathlib import Path
+from dflash2.reference.tiny.draft import write_tiny_draft
+from dflash2.reference.tiny.target import write_tiny_target
+
+src = Path(sys.argv[1])
+for preset in ("tiny-dense", "tiny-moe"):
+    write_tiny_target(src / preset, preset, tokenizer="small")
+draft = write_tiny_draft(src / "draft", src / "tiny-dense")
+config = json.loads((draft / "config.json").read_text())
+(draft / "config.json").write_text(json.dumps({**config, "use_sliding_window": True}, indent=2) + "\n")
+PY
+
+cat > "$WORK/convert.py" <<'PY'
+import json, runpy, sys
+from pathlib import Path
+
+llama = Path(sys.argv[1])
+sys.argv = [str(llama / "convert_hf_to_gguf.py"), *sys.argv[2:]]
+sys.path[:0] = [str(llama), str(llama / "gguf-py")]
+from conversion.base import TextModel
+
+QWEN35_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
+                r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+recognise = TextModel.get_vocab_base_pre
+
+
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return recognise(self, tokenizer)
+    except NotImplementedError:
+        pre = json.loads((self.dir_model / "tokenizer.json").read_text())["pre_tokenizer"]
+        if pre["pretokenizers"][0]["pattern"]["Regex"] != QWEN35_SPLIT:
+            raise
+        return "qwen35"
+
+
+TextModel.get_vocab_base_pre = get_vocab_base_pre
+runpy.run_path(sys.argv[0], run_name="__main__")
+PY
+
+convert() {  # convert <source folder> <output file> <converter arguments...>
+    local src=$1 out=$2; shift 2
+    "$PYTHON" "$WORK/convert.py" "$LLAMA" "$WORK/src/$src" --outfile "$out" "$@" > "$WORK/log" 2>&1 \
+        || { cat "$WORK/log"; exit 1; }
+}
+
+rm -rf "$OUT"/*.gguf "$OUT/draft-f32-split"
+mkdir -p "$OUT/draft-f32-split"
+convert tiny-dense "$OUT/tiny-dense-f32.gguf" --outtype f32
+convert tiny-dense "$OUT/tiny-dense-f16.gguf" --outtype f16
+convert tiny-dense "$OUT/tiny-dense-q8_0.gguf" --outtype q8_0
+convert tiny-moe "$OUT/tiny-moe-f32.gguf" --outtype f32
+convert tiny-moe "$OUT/tiny-moe-bf16-fused.gguf" --outtype bf16 --fuse-gate-up-exps
+convert draft "$OUT/draft-f32.gguf" --outtype f32 --target-model-dir "$WORK/src/tiny-dense"
+convert draft "$OUT/draft-q8_0.gguf" --outtype q8_0 --target-model-dir "$WORK/src/tiny-dense"
+convert draft "$OUT/draft-f32-split/draft-f32.gguf" --outtype f32 --split-max-tensors 16 \
+    --target-model-dir "$WORK/src/tiny-dense"
+
+# The sources' fingerprints: the tests regenerate the tiny checkpoints and compare against these first.
+"$PYTHON" - "$WORK/src" "$OUT/sources.json" "$VERSION" <<'PY'
+import hashlib, json, sys
+from pathlib import Path
+
+src, out, version = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+digest = {f"{f.parent.name}/{f.name}": hashlib.sha256(f.read_bytes()).hexdigest()
+          for f in sorted(src.glob("*/*")) if f.suffix in (".safetensors", ".json")}
+out.write_text(json.dumps({"llama_cpp_python": version, "sha256": digest}, indent=2) + "\n")
+PY
+ls -l "$OUT" "$OUT/draft-f32-split"
