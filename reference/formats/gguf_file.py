@@ -78,11 +78,11 @@ class GGUFModel:
         if key not in self.metadata:
             if default is not ...:
                 return default
-            raise ConfigError(f"{self.path}: metadata key {key!r} is missing; expected a {_kind_name(kind)}")
+            raise ConfigError(f"{self.path}: metadata key {key!r} is missing; expected {_kind_name(kind)}")
         value = self.metadata[key]
         ok = isinstance(value, kind) and not (isinstance(value, bool) and kind in (int, float, (int, float)))
         if not ok:
-            raise ConfigError(f"{self.path}: metadata {key}={_short(value)}: expected a {_kind_name(kind)}")
+            raise ConfigError(f"{self.path}: metadata {key}={_short(value)}: expected {_kind_name(kind)}")
         return value
 
     def names(self) -> list[str]:
@@ -161,7 +161,7 @@ def _field_value(field: ReaderField) -> Any:
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    names = {int: "integer", float: "number", str: "string", bool: "boolean", list: "list"}
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "a list"}
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -167,22 +167,24 @@ def load_gguf_target(path: str | Path,
     tensor in ``dtype``, as ``checkpoint.load_target`` gives them from safetensors."""
     model = GGUFModel(path)
     cfg = gguf_target_config(model)
-    recipes = _plan(cfg, model)
     expected = expected_target_shapes(cfg)
     tensors: dict[str, torch.Tensor] = {}
-    for canonical, read in recipes.items():
-        tensor = read()
+    for canonical, names in plan_gguf_target(cfg, model).items():
+        stored = [model.tensor(name) for name in names]
+        tensor = undo_converter(cfg, canonical, stored[0] if len(stored) == 1 else torch.cat(stored, dim=1))
         if tuple(tensor.shape) != expected[canonical]:
-            raise CheckpointError(f"{model.path}: tensor for canonical {canonical!r} has shape "
-                                  f"{list(tensor.shape)}, expected {list(expected[canonical])} from the metadata")
+            raise CheckpointError(f"{model.path}: tensor {' + '.join(repr(n) for n in names)} (canonical "
+                                  f"{canonical!r}) gives shape {list(tensor.shape)}, expected "
+                                  f"{list(expected[canonical])} from the metadata")
         tensors[canonical] = tensor.to(dtype)
     if cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
     return cfg, tensors
 
 
-def _plan(cfg: TargetConfig, model: GGUFModel) -> dict[str, Callable[[], torch.Tensor]]:
-    """One reader per canonical tensor; refuses missing and unexpected GGUF tensors by name."""
+def plan_gguf_target(cfg: TargetConfig, model: GGUFModel) -> dict[str, tuple[str, ...]]:
+    """The GGUF tensors each canonical tensor is read from (two for split gate/up experts, concatenated
+    on rows per expert); refuses missing and unexpected GGUF tensors by name. No data is read."""
     sources: dict[str, str] = {}  # canonical -> GGUF name
     split: dict[str, dict[str, str]] = {}  # layer prefix -> {gate/up GGUF suffix: GGUF name}
     unexpected: list[str] = []
@@ -195,21 +197,21 @@ def _plan(cfg: TargetConfig, model: GGUFModel) -> dict[str, Callable[[], torch.T
         else:
             sources[prefix + suffix] = name
 
-    readers: dict[str, Callable[[], torch.Tensor]] = {}
+    plan: dict[str, tuple[str, ...]] = {}
     missing: list[str] = []
+    fused = "mlp.experts.gate_up_proj"
     for canonical in expected_target_shapes(cfg):
         if canonical == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         if canonical in sources:
-            readers[canonical] = _reader(cfg, model, canonical, sources.pop(canonical))
-        elif canonical.endswith("mlp.experts.gate_up_proj") and canonical[:-len("mlp.experts.gate_up_proj")] in split:
-            halves = split.pop(canonical[:-len("mlp.experts.gate_up_proj")])
+            plan[canonical] = (sources.pop(canonical),)
+        elif canonical.endswith(fused) and canonical[:-len(fused)] in split:
+            halves = split.pop(canonical[:-len(fused)])
             absent = [suffix for suffix in _SPLIT_EXPERTS if suffix not in halves]
             if absent:
                 missing.append(_gguf_name(cfg, canonical, absent[0]))
                 continue
-            gate, up = halves[_SPLIT_EXPERTS[0]], halves[_SPLIT_EXPERTS[1]]
-            readers[canonical] = lambda g=gate, u=up: torch.cat([model.tensor(g), model.tensor(u)], dim=1)
+            plan[canonical] = tuple(halves[suffix] for suffix in _SPLIT_EXPERTS)
         else:
             missing.append(_gguf_name(cfg, canonical))
     if missing:
@@ -220,7 +222,7 @@ def _plan(cfg: TargetConfig, model: GGUFModel) -> dict[str, Callable[[], torch.T
         more = f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
         raise CheckpointError(f"{model.path}: unexpected tensor {', '.join(repr(n) for n in sorted(unexpected)[:3])}"
                               f"{more}: not part of a {model.arch!r} target with this metadata")
-    return readers
+    return plan
 
 
 def _split_name(cfg: TargetConfig, name: str) -> tuple[str | None, str]:
@@ -248,19 +250,16 @@ def _split_name(cfg: TargetConfig, name: str) -> tuple[str | None, str]:
 
 def _gguf_name(cfg: TargetConfig, canonical: str, gguf_suffix: str | None = None) -> str:
     """The GGUF name a canonical tensor is read from, for messages."""
-    to_gguf = {v: k for k, v in {**_TOP_NAMES, **_MTP_NAMES}.items()}
-    if canonical in to_gguf:
-        return f"{to_gguf[canonical]!r} (canonical {canonical!r})"
+    top = {v: k for k, v in _TOP_NAMES.items()}
+    mtp = {v: f"blk.{cfg.num_hidden_layers}.{k}" for k, v in _MTP_NAMES.items()}
+    if canonical in top or canonical in mtp:
+        return f"{top.get(canonical) or mtp[canonical]!r} (canonical {canonical!r})"
     head, _, tail = canonical.partition("layers.")
     layer, _, rest = tail.partition(".")
     block = cfg.num_hidden_layers if head == "mtp." else int(layer)
     suffix = gguf_suffix or {v: k for k, v in _BLOCK_NAMES.items()}[rest]
     also = " or ffn_gate_exps + ffn_up_exps" if rest == "mlp.experts.gate_up_proj" and not gguf_suffix else ""
     return f"'blk.{block}.{suffix}'{also} (canonical {canonical!r})"
-
-
-def _reader(cfg: TargetConfig, model: GGUFModel, canonical: str, name: str) -> Callable[[], torch.Tensor]:
-    return lambda: undo_converter(cfg, canonical, model.tensor(name))
 
 
 def undo_converter(cfg: TargetConfig, canonical: str, stored: torch.Tensor) -> torch.Tensor:

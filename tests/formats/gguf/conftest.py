@@ -43,9 +43,10 @@ def sources(tmp_path_factory) -> Path:
 
 
 def rewrite(src: Path, dst: Path, *, arch: str | None = None, drop_keys=(), drop_tensors=(),
-            requantize: dict | None = None) -> Path:
+            requantize: dict | None = None, add_tensors: dict | None = None) -> Path:
     """Copy a GGUF file with gguf-py's writer, changing only what is asked: the architecture, keys or
-    tensors dropped, tensors re-stored in another type (``{name: GGMLQuantizationType}``)."""
+    tensors dropped, tensors re-stored in another type (``{name: GGMLQuantizationType}``), float32
+    tensors added (``{name: array in torch order}``)."""
     reader = GGUFReader(src)
     old_arch = _field_value(reader.fields["general.architecture"])
     writer = GGUFWriter(dst, arch or old_arch)
@@ -64,6 +65,8 @@ def rewrite(src: Path, dst: Path, *, arch: str | None = None, drop_keys=(), drop
             writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
         else:
             writer.add_tensor(tensor.name, quantize(np.asarray(tensor.data, dtype=np.float32), qtype), raw_dtype=qtype)
+    for name, array in (add_tensors or {}).items():
+        writer.add_tensor(name, np.asarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
