@@ -1,4 +1,4 @@
-"""The memory plan's profiling forward on the GPU lane (fast/engine/memory_profile.py).
+"""The memory plan's profiling forward on the GPU lane (fast/engine/memory.py: forward_peak_bytes).
 
 The activation peak the plan keeps out of the cache budget must cover what a real prefill of a full chunk then
 reaches above the allocator's level: the profiling forward runs the same layers at the same row count, so the two

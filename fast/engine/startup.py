@@ -30,9 +30,8 @@ from ..model.target import FastTarget
 from ..speculative.dflash import FastDFlashProposer
 from ..speculative.mtp import FastMTPProposer
 from .config import EngineConfig
-from .memory import (MemoryPlan, cache_budget_bytes, dflash_slot_bytes, dflash_workspace_bytes, log_plan, plan_memory,
-                     rebuild_group, snapshot_count)
-from .memory_profile import activation_bytes
+from .memory import (MemoryPlan, activation_bytes, cache_budget_bytes, dflash_slot_bytes, dflash_workspace_bytes,
+                     log_plan, plan_memory, rebuild_group, snapshot_count)
 from .snapshots import StateSnapshots
 from ..speculative.proposer import Proposer
 

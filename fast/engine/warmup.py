@@ -28,7 +28,7 @@ import time
 from dflash2.reference.request.sampling_params import SamplingParams
 
 from .engine import Engine
-from .memory_profile import log_reached
+from .memory import log_reached
 from .prefix_cache import PrefixStats
 
 

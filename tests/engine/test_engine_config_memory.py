@@ -214,10 +214,10 @@ def test_cuda_budget_counts_the_allocators_unused_cache_as_free(monkeypatch):
 
 
 def test_the_profiling_forward_runs_a_full_chunk_and_reports_the_peak_over_its_level(monkeypatch):
-    """memory_profile.forward_peak_bytes builds a one-sequence prefill of ``rows`` rows over throw-away pools and
+    """memory.forward_peak_bytes builds a one-sequence prefill of ``rows`` rows over throw-away pools and
     returns the allocator's peak above its level before the forward (the CUDA counters are faked here; the forward
     itself runs, so the batch it builds must be a valid prefill)."""
-    from dflash2.fast.engine import memory_profile
+    from dflash2.fast.engine import memory
     from dflash2.fast.model.target import FastTarget
     from dflash2.reference.tiny.dummy import dummy_target_weights
 
@@ -240,11 +240,11 @@ def test_the_profiling_forward_runs_a_full_chunk_and_reports_the_peak_over_its_l
         return out
 
     target.forward = counted
-    assert memory_profile.forward_peak_bytes(target, 37, page_size=16, max_verify_rows=4) == 3700
-    prefill, graphs = memory_profile.activation_bytes(target, max_num_batched_tokens=64, max_step_rows=12,
+    assert memory.forward_peak_bytes(target, 37, page_size=16, max_verify_rows=4) == 3700
+    prefill, graphs = memory.activation_bytes(target, max_num_batched_tokens=64, max_step_rows=12,
                                                       graph_pools=2, page_size=16, max_verify_rows=4)
     assert (prefill, graphs) == (6400, 2 * 1200) and counters["rows"] == [37, 64, 12]
-    assert memory_profile.activation_bytes(target, max_num_batched_tokens=64, max_step_rows=12, graph_pools=0,
+    assert memory.activation_bytes(target, max_num_batched_tokens=64, max_step_rows=12, graph_pools=0,
                                            page_size=16, max_verify_rows=4) == (6400, 0)
 
 
