@@ -37,8 +37,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # prefill rows per step (a longer prompt is chunked)
     page_size: int = 16  # tokens per KV page
     # CUDA: the fraction of device memory the weights, caches and measured activations may use together (the
-    # rest: fragmentation and what the profiling forward cannot see); chosen so the Qwen3.5-MoE 35B-A3B shape
-    # sizes >= 200k KV tokens on an 80 GB card with its 65.6 GiB of bf16 weights (fast/engine/memory.py)
+    # rest: fragmentation and what the profiling forward cannot see); aimed at the Qwen3.5-MoE 35B-A3B shape sizing
+    # >= 200k KV tokens on an 80 GB card beside its 65.6 GiB of bf16 weights (fast/engine/memory.py)
     memory_ratio: float = 0.92
     cpu_cache_bytes: int = 256 * MiB  # CPU: the byte budget of the KV pages, state slots and draft rings
     max_model_len: int | None = None  # tokens per request (prompt + output); None: the model's context
