@@ -88,11 +88,25 @@ def test_capturable_follows_the_torch_twin_then_the_gpu_forms(monkeypatch, trito
 
 def test_inside_a_capture_gpu_in_capture_ops_skip_fits(monkeypatch, triton_installed):
     monkeypatch.setattr(dispatch, "on_cuda", lambda args, kwargs: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     op, _ = recording_op(gpu_in_capture=True)
     assert op(torch.zeros(2, 4)) == "wide"  # the first GPU form, though it does not fit outside a capture
     eager_bound, _ = recording_op()
     assert eager_bound(torch.zeros(2, 4)) == "any"
+
+
+def test_forced_gpu_on_a_cpu_build_asks_no_capture_question(monkeypatch, triton_installed):
+    """Without CUDA there is no capture: a gpu_in_capture op under forced_gpu picks by ``fits`` and never asks
+    torch.cuda (a CPU build of torch raises on the question)."""
+    def refuse():
+        raise AssertionError("asked whether a stream is capturing without CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", refuse)
+    op, _ = recording_op(gpu_in_capture=True)
+    with forced_gpu([op]):
+        assert op(torch.zeros(2, 4)) == "any"
 
 
 def test_every_layer_op_is_a_kernel_op_with_its_own_name():

@@ -106,7 +106,8 @@ class KernelOp:
             return self.torch_form
         if forced != "gpu" and not on_cuda(args, kwargs):
             return self.torch_form
-        if self.gpu_in_capture and torch.cuda.is_current_stream_capturing():
+        # a capture needs CUDA (a CPU build of torch raises on the question: forced_gpu under the interpreter)
+        if self.gpu_in_capture and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return self.gpu_forms[0].fn
         for form in self.gpu_forms:
             if form.fits(*args, **kwargs):
