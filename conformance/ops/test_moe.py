@@ -9,12 +9,12 @@ for bit, at the released model's shapes too."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from ops_helpers import NUMERIC_BOUND, pick
+from ops_helpers import NUMERIC_BOUND, MoECase as Case, pick
 
 from dflash2.fast.kernels.moe.moe import MoEBlocks, default_blocks, moe_experts_triton
 from dflash2.fast.kernels.moe.moe import moe_experts, moe_experts_torch
@@ -27,18 +27,6 @@ SMALL_SPLIT = MoEBlocks(block_m=16, block_i=16, block_k=32, block_c=32, pair_til
 POPULARITY = torch.tensor([0.0, 4.0, 2.0, 1.0, 0.5, 0.0, 0.0])  # the choices besides expert 0; 5 and 6 unused
 
 
-@dataclass
-class Case:
-    x: torch.Tensor  # [N, C]
-    expert_ids: torch.Tensor  # [N, k] int64
-    weights: torch.Tensor  # [N, k] fp32
-    gate_up: torch.Tensor  # [E, 2I, C]
-    down: torch.Tensor  # [E, C, I]
-    expected: torch.Tensor  # [N, C] float64, from the reference
-
-    def inputs(self, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        return (self.x.to(device, dtype), self.expert_ids.to(device), self.weights.to(device),
-                self.gate_up.to(device, dtype), self.down.to(device, dtype))
 
 
 def make_case(rows: int, seed: int) -> Case:

@@ -13,11 +13,10 @@ alignment included) equals the eager call bit for bit, at the released model's p
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import pytest
 import torch
-from ops_helpers import NUMERIC_BOUND
+from ops_helpers import NUMERIC_BOUND, MoECase as Case
 
 from dflash2.fast.kernels.common.dispatch import forced_gpu
 from dflash2.fast.kernels.common.triton_compat import HAS_TRITON
@@ -31,18 +30,6 @@ HIDDEN, WIDTH = 48, 40
 TINY = GroupedBlocks(block_m=16, block_i=16, block_c=32, block_k=16, sum_block_c=32)
 
 
-@dataclass
-class Case:
-    x: torch.Tensor  # [N, C]
-    expert_ids: torch.Tensor  # [N, k] int64
-    weights: torch.Tensor  # [N, k] fp32
-    gate_up: torch.Tensor  # [E, 2I, C]
-    down: torch.Tensor  # [E, C, I]
-    expected: torch.Tensor  # [N, C] float64, from the reference
-
-    def inputs(self, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        return (self.x.to(device, dtype), self.expert_ids.to(device), self.weights.to(device),
-                self.gate_up.to(device, dtype), self.down.to(device, dtype))
 
 
 def make_case(routing: str, seed: int = 0) -> Case:

@@ -27,8 +27,7 @@ from .config import TargetConfig
 from .draft_checkpoint import expected_draft_shapes
 from .draft_config import DRAFT_ARCHITECTURE, DRAFT_MODEL_TYPE, DraftConfig, parse_draft_config
 from .errors import CheckpointError, ConfigError
-from .gguf_file import GGUFModel
-from .gguf_target import _f32
+from .gguf_file import ATTENTION_NAMES, GGUFModel, f32_metadata
 
 DRAFT_ARCH = "dflash"
 _TOP_NAMES = {
@@ -40,14 +39,8 @@ _TOP_NAMES = {
     "selector_successor.weight": "candidate_selector.successor_codebook",
 }
 _BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
+    **ATTENTION_NAMES,
     "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -84,7 +77,7 @@ def _config_json(model: GGUFModel) -> dict[str, Any]:
                           "use_sliding_window: true; without it llama.cpp runs the draft with no window)")
     pattern = get("attention.sliding_window_pattern", list, [True] * layers)
     head_dim = get("attention.key_length")
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(get("rope.freq_base", float))}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": f32_metadata(get("rope.freq_base", float))}
     rotary = get("rope.dimension_count", int, head_dim)
     if rotary != head_dim:
         rope["partial_rotary_factor"] = rotary / head_dim
@@ -112,7 +105,7 @@ def _config_json(model: GGUFModel) -> dict[str, Any]:
         "layer_types": ["sliding_attention" if swa else "full_attention" for swa in pattern],
         "sliding_window": window,
         "rope_parameters": rope,
-        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon", float)),
+        "rms_norm_eps": f32_metadata(get("attention.layer_norm_rms_epsilon", float)),
         "dflash_config": dflash,
     }
     if a + "attention.causal" in model.metadata:  # absent: causal, which parse_draft_config refuses

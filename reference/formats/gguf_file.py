@@ -168,3 +168,22 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+# a full-attention block's tensors, the same in a target's layer and a DFlash draft's (GGUF name -> canonical name
+# inside ``layers.{i}.``)
+ATTENTION_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+
+
+def f32_metadata(value: float) -> float:
+    """A float32 metadata value as the decimal its writer meant (1e-06, not 9.999999974752427e-07):
+    the shortest decimal that rounds to the same float32."""
+    return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))

@@ -32,26 +32,19 @@ import re
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from .config import TargetConfig, parse_target_config
 from .errors import CheckpointError, ConfigError
-from .gguf_file import GGUFModel
+from .gguf_file import ATTENTION_NAMES, GGUFModel, f32_metadata
 from .weights import expected_target_shapes
 
 TARGET_ARCHS = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
 
 # GGUF name inside a block -> canonical name inside a layer (``layers.{i}.`` or ``mtp.layers.0.``)
 _BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
+    **ATTENTION_NAMES,
     "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
     "attn_gate.weight": "linear_attn.in_proj_z.weight",
     "ssm_beta.weight": "linear_attn.in_proj_b.weight",
@@ -125,13 +118,13 @@ def _config_json(model: GGUFModel) -> dict[str, Any]:
         "hidden_size": get("embedding_length"),
         "num_hidden_layers": layers,
         "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
-        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon", float)),
+        "rms_norm_eps": f32_metadata(get("attention.layer_norm_rms_epsilon", float)),
         "max_position_embeddings": get("context_length"),
         "tie_word_embeddings": "output.weight" not in model.names(),
         "num_attention_heads": get("attention.head_count"),
         "num_key_value_heads": get("attention.head_count_kv"),
         "head_dim": head_dim,
-        "rope_parameters": {"rope_type": "default", "rope_theta": _f32(get("rope.freq_base", float)),
+        "rope_parameters": {"rope_type": "default", "rope_theta": f32_metadata(get("rope.freq_base", float)),
                             "partial_rotary_factor": get("rope.dimension_count") / head_dim},
         "linear_num_key_heads": get("ssm.group_count"),
         "linear_num_value_heads": value_heads,
@@ -148,12 +141,6 @@ def _config_json(model: GGUFModel) -> dict[str, Any]:
     else:
         text["intermediate_size"] = get("feed_forward_length")
     return text
-
-
-def _f32(value: float) -> float:
-    """A float32 metadata value as the decimal its writer meant (1e-06, not 9.999999974752427e-07):
-    the shortest decimal that rounds to the same float32."""
-    return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
 
 
 def _eos_ids(model: GGUFModel) -> list[int]:

@@ -28,9 +28,9 @@ def test_simulated_acceptance_tracks_the_mean():
     assert set(kept) <= {4, 5} and sum(kept) == 447  # 4.47 drafts kept per step, 5.47 tokens committed
 
 
-def test_the_timed_run_repeats_the_warm_ups_acceptance(tiny, tmp_path, monkeypatch):
-    """Every verify of the timed run keeps what the warm-up's verify at the same step kept (so it meets no
-    shape the warm-up did not: a new one would compile or capture inside the timed steps)."""
+@pytest.fixture
+def acceptance_steps(monkeypatch) -> list[int]:
+    """The step index of every simulated verify, in order (ft bench's SimulatedAcceptance, recorded)."""
     seen: list[int] = []
 
     class Recording(SimulatedAcceptance):
@@ -39,6 +39,13 @@ def test_the_timed_run_repeats_the_warm_ups_acceptance(tiny, tmp_path, monkeypat
             return super().__call__()
 
     monkeypatch.setattr("dflash2.bench.run.SimulatedAcceptance", Recording)
+    return seen
+
+
+def test_the_timed_run_repeats_the_warm_ups_acceptance(tiny, tmp_path, acceptance_steps):
+    """Every verify of the timed run keeps what the warm-up's verify at the same step kept (so it meets no
+    shape the warm-up did not: a new one would compile or capture inside the timed steps)."""
+    seen = acceptance_steps
     target, draft = tiny
     assert main(["bench", "--model", str(target), "--draft", str(draft), "--load-format", "dummy",
                  "--runs", "dflash7:1:9", "--max-tokens", "12", "--simulate-tokens-per-step", "2.5",
@@ -73,17 +80,10 @@ def test_ft_bench_runs_every_setting_and_writes_its_report(tiny, tmp_path):
     assert "- sampling: greedy" in text
 
 
-def test_repeats_time_every_generate_alike(tiny, tmp_path, monkeypatch):
+def test_repeats_time_every_generate_alike(tiny, tmp_path, acceptance_steps):
     """Each repeat is a timed generate that meets what the first met (the same acceptance, an empty cache):
     the steps pool, the wall figure is the median of the repeats'."""
-    seen: list[int] = []
-
-    class Recording(SimulatedAcceptance):
-        def __call__(self) -> int:
-            seen.append(self.step)
-            return super().__call__()
-
-    monkeypatch.setattr("dflash2.bench.run.SimulatedAcceptance", Recording)
+    seen = acceptance_steps
     target, draft = tiny
     out = tmp_path / "out"
     assert main(["bench", "--model", str(target), "--draft", str(draft), "--load-format", "dummy",
