@@ -41,7 +41,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
 def add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="decode one prompt")
     p.add_argument("--model", default=None,
-                   help="target checkpoint folder (HF format; default: the bundled trained pair, models/)")
+                   help="target checkpoint folder (HF format) or .gguf file (dequantized on load; default: the "
+                        "bundled trained pair, models/)")
     p.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
                    help="which implementation runs the model (default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)

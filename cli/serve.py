@@ -19,8 +19,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("serve", help="serve the OpenAI API (chat and text completions) on the fast engine")
     p.add_argument("--model", default=None,
-                   help="target checkpoint folder (HF format; default: the bundled trained pair, models/, served "
-                        "with its DFlash 2 draft)")
+                   help="target checkpoint folder (HF format) or .gguf file (default: the bundled trained pair, "
+                        "models/, served with its DFlash 2 draft)")
     add_speculative_args(p)
     p.set_defaults(speculative_algorithm=None)  # None: the bundled pair's default (dflash), else none
     engine = p.add_argument_group("fast engine (EngineConfig)")

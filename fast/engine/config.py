@@ -43,7 +43,7 @@ class EngineConfig:
     cpu_cache_bytes: int = 256 * MiB  # CPU: the byte budget of the KV pages, state slots and draft rings
     max_model_len: int | None = None  # tokens per request (prompt + output); None: the model's context
     speculative_algorithm: str = "none"  # none | mtp | dflash
-    speculative_draft_model_path: str | None = None  # the DFlash 2 draft folder (dflash only)
+    speculative_draft_model_path: str | None = None  # the DFlash 2 draft folder or .gguf file (dflash only)
     speculative_num_steps: int | None = None  # k drafts per verify; None: block_size - 1 (dflash), 3 (mtp)
     # adaptive: each step the depth in 0..k that commits the most tokens per second, from measured step times and
     # acceptance (fast/speculative/depth.py; a seed's sampled tokens then depend on load); fixed: every step drafts k

@@ -1,19 +1,18 @@
 """Sizing the caches at startup: KV pages and state slots out of one byte budget.
 
-The budget: on CUDA, after the weights are loaded, ``memory_ratio * total`` less everything in use
-(the weights, the CUDA context, the libraries' workspaces), less the peak activations of the largest
-prefill chunk and an allowance for the CUDA graphs' pools, both measured by a profiling forward
-(``forward_peak_bytes`` below, as vLLM's memory plan); on CPU, ``cpu_cache_bytes``. Out of it, first one state slot per running request (the target's GDN
-state plus, with DFlash, the draft's per-request K/V ring and its ``dflash_window`` of context
+The budget: on CUDA, after the weights are loaded, ``memory_ratio * total`` less everything in use (the weights,
+the CUDA context, the libraries' workspaces), less the peak activations of the largest prefill chunk and an
+allowance for the CUDA graphs' pools, both measured by a profiling forward (``forward_peak_bytes`` below, as
+vLLM's memory plan); on CPU, ``cpu_cache_bytes``. Out of it, first one state slot per running request (the
+target's GDN state plus, with DFlash, the draft's per-request K/V ring and its ``dflash_window`` of context
 rows), then the prefix cache's snapshot slots (each the GDN state and the proposer's saved state:
 ``num_snapshots``, chosen by ``snapshot_count``), then as many KV pages as fit, capped at what
-``max_running_req`` requests of ``max_model_len`` tokens can ever hold. Before either (on CUDA), a
-workspace is set aside for the largest temporaries the draft needs beyond a step's activations
-(``dflash_workspace_bytes``): the tapped features, context rows and context K/V of a full prefill
-chunk, or one group of ring rebuilds (a prefix-cache restore rebuilds ``rebuild_group`` rings per
-call, so the workspace does not grow with ``max_running_req``), whichever is larger. The sizes come
-from the pools' own ``bytes_per_token`` and ``bytes_per_slot`` so this module knows nothing of their
-layout.
+``max_running_req`` requests of ``max_model_len`` tokens can ever hold. Before either (on CUDA), a workspace is
+set aside for the largest temporaries the draft needs beyond a step's activations (``dflash_workspace_bytes``):
+the tapped features, context rows and context K/V of a full prefill chunk, or one group of ring rebuilds (a
+prefix-cache restore rebuilds ``rebuild_group`` rings per call, so the workspace does not grow with
+``max_running_req``), whichever is larger. The sizes come from the pools' own ``bytes_per_token`` and
+``bytes_per_slot`` so this module knows nothing of their layout.
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ from safetensors import SafetensorError, safe_open
 
 from .config import TargetConfig, load_target_config
 from .errors import CheckpointError
+from .gguf_file import is_gguf_path
+from .gguf_target import load_gguf_target
 from .weights import Shape, expected_target_shapes
 
 SINGLE_FILE = "model.safetensors"
@@ -127,8 +129,12 @@ def load_target(model_path: str | Path,
     ``dtype=None`` keeps each tensor as stored (an engine casts per tensor itself; a bf16
     checkpoint then takes half the host memory of an fp32 copy).
 
-    Tied embeddings give ``lm_head.weight`` and ``embed_tokens.weight`` the same tensor object.
+    Tied embeddings give ``lm_head.weight`` and ``embed_tokens.weight`` the same tensor object. A ``.gguf`` path
+    (a file, or the first shard of a split set) is read by ``gguf_target.load_gguf_target`` (dequantized, in
+    ``dtype``; fp32 when None).
     """
+    if is_gguf_path(model_path):
+        return load_gguf_target(model_path, torch.float32 if dtype is None else dtype)
     cfg = load_target_config(model_path)
     stored = list_checkpoint_tensors(model_path)
     recipes = plan_target_tensors(cfg, stored)

@@ -33,6 +33,7 @@ from .checkpoint import FLOAT_DTYPES, TensorInfo, list_checkpoint_tensors
 from .config import TargetConfig
 from .draft_config import DraftConfig, load_draft_config
 from .errors import CheckpointError
+from .gguf_file import is_gguf_path
 from .weights import Shape
 
 BORROWED_FROM_TARGET = ("embed_tokens.weight", "lm_head.weight")
@@ -110,7 +111,12 @@ def check_draft_tensors(cfg: DraftConfig, stored: dict[str, TensorInfo]) -> None
 
 def load_draft(path: str | Path | None, target_cfg: TargetConfig, k: int | None = None,
                dtype: torch.dtype = torch.float32) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
-    """Read a draft folder: its validated config (fitted to ``target_cfg``) and every tensor in ``dtype``."""
+    """Read a draft folder: its validated config (fitted to ``target_cfg``) and every tensor in ``dtype``; or a
+    ``.gguf`` draft (arch ``dflash``) through ``gguf_draft.load_gguf_draft``."""
+    if path is not None and is_gguf_path(path):
+        from .gguf_draft import load_gguf_draft  # here: gguf_draft reads this module's shapes
+
+        return load_gguf_draft(path, target_cfg, k, dtype)
     cfg = load_draft_config(path, target_cfg, k)
     stored = list_checkpoint_tensors(path)
     check_draft_tensors(cfg, stored)

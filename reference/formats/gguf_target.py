@@ -132,7 +132,7 @@ def _config_json(model: GGUFModel) -> dict[str, Any]:
         "linear_value_head_dim": inner // value_heads,
         "linear_conv_kernel_dim": get("ssm.conv_kernel"),
         "mtp_num_hidden_layers": mtp,
-        "eos_token_id": _eos_ids(model),
+        "eos_token_id": gguf_eos_ids(model),
     }
     if arch == "qwen35moe":
         text.update(num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
@@ -143,7 +143,8 @@ def _config_json(model: GGUFModel) -> dict[str, Any]:
     return text
 
 
-def _eos_ids(model: GGUFModel) -> list[int]:
+def gguf_eos_ids(model: GGUFModel) -> list[int]:
+    """The metadata's eos and eot ids, in that order, without repeats."""
     ids = [model.get(key, int, None) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     return list(dict.fromkeys(i for i in ids if i is not None))
 

@@ -22,17 +22,26 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerFast
 
 from .errors import CheckpointError
+from .gguf_file import GGUFModel, is_gguf_path
+from .gguf_target import gguf_eos_ids
+from .gguf_tokenizer import gguf_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def has_tokenizer(model_path: str | Path) -> bool:
-    """Whether the folder ships tokenizer files at all (a checkpoint may come without)."""
+    """Whether the folder ships tokenizer files at all (a checkpoint may come without); a GGUF file, whether its
+    metadata holds a tokenizer."""
+    if is_gguf_path(model_path):
+        return GGUFModel(model_path).get("tokenizer.ggml.tokens", list, None) is not None
     return any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES)
 
 
 def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerFast:
-    """The checkpoint's tokenizer; raises :class:`CheckpointError` when its files are missing."""
+    """The checkpoint's tokenizer (a GGUF file's from its metadata); raises :class:`CheckpointError` when its files
+    are missing."""
+    if is_gguf_path(model_path):
+        return gguf_tokenizer(GGUFModel(model_path))
     model_path = Path(model_path)
     if not model_path.is_dir():
         raise CheckpointError(f"model path {str(model_path)!r}: expected a checkpoint folder")
@@ -59,7 +68,13 @@ def check_tokenizer_fits(tokenizer: PreTrainedTokenizerFast, vocab_size: int) ->
 def eos_token_ids(model_path: str | Path, tokenizer: PreTrainedTokenizerFast | None = None) -> tuple[int, ...]:
     """The ids that end generation, from the first source that names any, in order:
     ``generation_config.json``, ``config.json`` (top level, then ``text_config``), the tokenizer's
-    eos token. ``eos_token_id`` may be an int or a list; duplicates are dropped, order kept."""
+    eos token. ``eos_token_id`` may be an int or a list; duplicates are dropped, order kept. A GGUF file: its
+    metadata's eos and eot ids."""
+    if is_gguf_path(model_path):
+        ids = gguf_eos_ids(GGUFModel(model_path))
+        if ids:
+            return tuple(ids)
+        raise CheckpointError(f"{str(model_path)!r}: no tokenizer.ggml.eos_token_id or eot_token_id in its metadata")
     model_path = Path(model_path)
     for name, keys in (("generation_config.json", [()]), ("config.json", [(), ("text_config",)])):
         config = _read_json(model_path / name)

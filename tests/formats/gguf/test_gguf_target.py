@@ -1,10 +1,9 @@
 """GGUF targets written by llama.cpp's converter load to the tensors of their safetensors source.
 
-Per stored type: F32 bit-exact, except what the converter's own arithmetic rounds (a norm stored as
-``1 + w`` gives back ``w`` whose ``1 + w`` is bit-exact, ``A_log`` comes back through
-``log(exp(.))``); F16/BF16 equal to the source rounded to that type; Q8_0 equal to gguf-py's Q8_0
-round trip of the source and within half a Q8_0 step of it (plus its fp16 scale's rounding). The value-head reorder is exercised with
-r = 2 (tiny-dense) and r = 3 (tiny-moe).
+Per stored type: F32 bit-exact, except what the converter's own arithmetic rounds (a norm stored as ``1 + w`` gives
+back ``w`` whose ``1 + w`` is bit-exact, ``A_log`` comes back through ``log(exp(.))``); F16/BF16 equal to the source
+rounded to that type; Q8_0 equal to gguf-py's Q8_0 round trip of the source and within half a Q8_0 step of it (plus
+its fp16 scale's rounding). The value-head reorder is exercised with r = 2 (tiny-dense) and r = 3 (tiny-moe).
 """
 
 from __future__ import annotations
