@@ -12,8 +12,8 @@
 # Two departures from a plain converter run, both outside the tensor mapping under test:
 # - the tiny tokenizer (reference/tiny/tokenizer.py 'small') splits text with Qwen3.5's regex but
 #   has its own 500-token vocabulary, whose fingerprint is not in the converter's table of known
-#   pre-tokenizers; the wrapper below names it 'qwen35' when, and only when, tokenizer.json's
-#   split regex is Qwen3.5's exactly, and otherwise lets the converter refuse as usual;
+#   pre-tokenizers; the wrapper scripts/gguf_convert.py names it 'qwen35' when, and only when,
+#   tokenizer.json's split regex is Qwen3.5's exactly, and otherwise lets the converter refuse as usual;
 # - the tiny draft's config.json gains "use_sliding_window": true, without which the converter
 #   drops the window (dflash.attention.sliding_window) and llama.cpp would run the draft unwindowed.
 set -euo pipefail
@@ -45,37 +45,9 @@ config = json.loads((draft / "config.json").read_text())
 (draft / "config.json").write_text(json.dumps({**config, "use_sliding_window": True}, indent=2) + "\n")
 PY
 
-cat > "$WORK/convert.py" <<'PY'
-import json, runpy, sys
-from pathlib import Path
-
-llama = Path(sys.argv[1])
-sys.argv = [str(llama / "convert_hf_to_gguf.py"), *sys.argv[2:]]
-sys.path[:0] = [str(llama), str(llama / "gguf-py")]
-from conversion.base import TextModel
-
-QWEN35_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
-                r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-recognise = TextModel.get_vocab_base_pre
-
-
-def get_vocab_base_pre(self, tokenizer):
-    try:
-        return recognise(self, tokenizer)
-    except NotImplementedError:
-        pre = json.loads((self.dir_model / "tokenizer.json").read_text())["pre_tokenizer"]
-        if pre["pretokenizers"][0]["pattern"]["Regex"] != QWEN35_SPLIT:
-            raise
-        return "qwen35"
-
-
-TextModel.get_vocab_base_pre = get_vocab_base_pre
-runpy.run_path(sys.argv[0], run_name="__main__")
-PY
-
 convert() {  # convert <source folder> <output file> <converter arguments...>
     local src=$1 out=$2; shift 2
-    "$PYTHON" "$WORK/convert.py" "$LLAMA" "$WORK/src/$src" --outfile "$out" "$@" > "$WORK/log" 2>&1 \
+    "$PYTHON" scripts/gguf_convert.py "$LLAMA" "$WORK/src/$src" --outfile "$out" "$@" > "$WORK/log" 2>&1 \
         || { cat "$WORK/log"; exit 1; }
 }
 
@@ -93,12 +65,13 @@ convert draft "$OUT/draft-f32-split/draft-f32.gguf" --outtype f32 --split-max-te
 
 # The sources' fingerprints: the tests regenerate the tiny checkpoints and compare against these first.
 "$PYTHON" - "$WORK/src" "$OUT/sources.json" "$VERSION" <<'PY'
-import hashlib, json, sys
+import json, sys
 from pathlib import Path
+from dflash2.reference.tiny.fingerprint import fingerprint
 
 src, out, version = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-digest = {f"{f.parent.name}/{f.name}": hashlib.sha256(f.read_bytes()).hexdigest()
+prints = {f"{f.parent.name}/{f.name}": fingerprint(f)
           for f in sorted(src.glob("*/*")) if f.suffix in (".safetensors", ".json")}
-out.write_text(json.dumps({"llama_cpp_python": version, "sha256": digest}, indent=2) + "\n")
+out.write_text(json.dumps({"llama_cpp_python": version, "fingerprints": prints}, indent=2) + "\n")
 PY
 ls -l "$OUT" "$OUT/draft-f32-split"

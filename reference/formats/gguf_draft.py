@@ -27,7 +27,7 @@ from .config import TargetConfig
 from .draft_checkpoint import expected_draft_shapes
 from .draft_config import DRAFT_ARCHITECTURE, DRAFT_MODEL_TYPE, DraftConfig, parse_draft_config
 from .errors import CheckpointError, ConfigError
-from .gguf_file import ATTENTION_NAMES, GGUFModel, f32_metadata
+from .gguf_file import ATTENTION_NAMES, GGUFModel, f32_metadata, same_ggml_shape
 
 DRAFT_ARCH = "dflash"
 _TOP_NAMES = {
@@ -143,10 +143,10 @@ def load_gguf_draft(path: str | Path, target_cfg: TargetConfig, k: int | None = 
     tensors: dict[str, torch.Tensor] = {}
     for canonical, shape in expected.items():
         name = by_canonical[canonical]
-        if model.shape(name) != shape:
+        if not same_ggml_shape(model.shape(name), shape):
             raise CheckpointError(f"{model.path}: tensor {name!r} (canonical {canonical!r}) has shape "
                                   f"{list(model.shape(name))}, expected {list(shape)} from the metadata")
-        tensors[canonical] = model.tensor(name, dtype)
+        tensors[canonical] = model.tensor(name, dtype).reshape(shape)
     return cfg, tensors
 
 

@@ -187,3 +187,12 @@ def f32_metadata(value: float) -> float:
     """A float32 metadata value as the decimal its writer meant (1e-06, not 9.999999974752427e-07):
     the shortest decimal that rounds to the same float32."""
     return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
+
+
+def same_ggml_shape(shape: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """Whether two shapes (torch order) are one ggml shape: ggml pads ``ne`` with 1s, and llama.cpp's quantizer
+    writes a tensor without its trailing ones (a Qwen3.5-MoE ``ffn_gate_inp_shexp`` of [1, C] comes out as [C])."""
+    def strip(s: tuple[int, ...]) -> tuple[int, ...]:
+        s = tuple(s)
+        return s[next((i for i, n in enumerate(s) if n != 1), len(s)):]
+    return strip(shape) == strip(expected)

@@ -36,7 +36,7 @@ import torch
 
 from .config import TargetConfig, parse_target_config
 from .errors import CheckpointError, ConfigError
-from .gguf_file import ATTENTION_NAMES, GGUFModel, f32_metadata
+from .gguf_file import ATTENTION_NAMES, GGUFModel, f32_metadata, same_ggml_shape
 from .weights import expected_target_shapes
 
 TARGET_ARCHS = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
@@ -160,7 +160,9 @@ def load_gguf_target(path: str | Path,
     for canonical, names in plan_gguf_target(cfg, model).items():
         stored = [model.tensor(name) for name in names]
         tensor = undo_converter(cfg, canonical, stored[0] if len(stored) == 1 else torch.cat(stored, dim=1))
-        if tuple(tensor.shape) != expected[canonical]:
+        if same_ggml_shape(tensor.shape, expected[canonical]):
+            tensor = tensor.reshape(expected[canonical])
+        else:
             raise CheckpointError(f"{model.path}: tensor {' + '.join(repr(n) for n in names)} (canonical "
                                   f"{canonical!r}) gives shape {list(tensor.shape)}, expected "
                                   f"{list(expected[canonical])} from the metadata")

@@ -95,6 +95,21 @@ PRESETS: dict[str, TinyTargetSpec] = {
                                             linear_key_head_dim=16, linear_value_head_dim=16,
                                             intermediate_size=64, tie_word_embeddings=True, dtype="bfloat16",
                                             seed=4),
+    # Hidden width 256, for llama.cpp's quantizer (scripts/gguf_oracle.sh): K-quant and IQ blocks are 256 wide,
+    # so every matrix reading the residual stream quantizes to the asked type; the ones reading a narrower width
+    # (attn_output 48, ssm_out 40, ffn_down 24) are no multiple of 32 and llama.cpp stores them as F16.
+    # GDN key and value heads of one size (llama.cpp's qwen35 requires it); tied embeddings, no MTP: small files.
+    "tiny-dense-256": TinyTargetSpec(hidden_size=256, num_layers=2, full_attention_interval=2,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=24,
+                                     linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=20,
+                                     linear_value_head_dim=20, intermediate_size=24, mtp=False,
+                                     tie_word_embeddings=True, seed=5),
+    "tiny-moe-256": TinyTargetSpec(kind="moe", hidden_size=256, num_layers=2, full_attention_interval=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=24,
+                                   linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=20,
+                                   linear_value_head_dim=20, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=24, shared_expert_intermediate_size=24, mtp=False,
+                                   tie_word_embeddings=True, seed=6),
 }
 
 

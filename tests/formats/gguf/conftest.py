@@ -8,7 +8,6 @@ a tensor comparison.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from gguf.quants import quantize
 
 from dflash2.reference.formats.gguf_file import _field_value
 from dflash2.reference.tiny.draft import write_tiny_draft
+from dflash2.reference.tiny.fingerprint import matches
 from dflash2.reference.tiny.target import write_tiny_target
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -34,9 +34,9 @@ def sources(tmp_path_factory) -> Path:
     draft = write_tiny_draft(root / "draft", root / "tiny-dense")
     config = json.loads((draft / "config.json").read_text())
     (draft / "config.json").write_text(json.dumps({**config, "use_sliding_window": True}, indent=2) + "\n")
-    recorded = json.loads((GOLDEN / "sources.json").read_text())["sha256"]
-    for rel, digest in recorded.items():
-        if hashlib.sha256((root / rel).read_bytes()).hexdigest() != digest:
+    recorded = json.loads((GOLDEN / "sources.json").read_text())["fingerprints"]
+    for rel, want in recorded.items():
+        if not matches(root / rel, want):
             pytest.fail(f"the tiny checkpoint file {rel} differs from the one the golden GGUF files were "
                         f"converted from; rerun {REGENERATE} and commit its output")
     return root
