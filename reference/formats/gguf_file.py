@@ -33,8 +33,10 @@ from gguf.quants import dequantize
 from .errors import CheckpointError, ConfigError
 
 Q = GGMLQuantizationType
-# Weight types issue 35 names; each dequantizes through gguf-py's numpy code.
-SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ3_XXS)
+# Weight types issue 35 names, and the two that llama.cpp's IQ3_XXS mixture (not --pure) writes beside IQ3_XXS
+# (IQ2_S for attn_q/attn_k, IQ3_S for token_embd/attn_output): a hub IQ3_XXS file holds all three. Each dequantizes
+# through gguf-py's numpy code.
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_S)
 SPLIT_NAME = re.compile(r"^(?P<base>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 
