@@ -113,7 +113,8 @@ def test_every_pdl_kernel_waits_first():
         "conv_finish_norm:_conv_finish_norm_kernel", "attention_prologue:_draft_qk_norm_rope_kernel",
         "selector:_block_topk_kernel", "selector:_merge_topk_kernel", "selector:_project_kernel",
         "selector:_walk_kernel",
-        "moe:_moe_expert_tile_kernel", "moe:_moe_gate_up_kernel", "moe:_moe_down_kernel", "moe:_moe_sum_kernel"}
+        "moe:_moe_expert_tile_kernel", "moe:_moe_gate_up_kernel", "moe:_moe_down_kernel", "moe:_moe_sum_kernel",
+        "quant_matmul:_quant_matmul_kernel"}
     assert set(pdl.EARLY_READERS) <= set(kernels)
     assert [name for name, ok in kernels.items() if not ok] == []
 

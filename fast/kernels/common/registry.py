@@ -106,4 +106,12 @@ KERNELS: tuple[KernelTwin, ...] = (
                ("dflash2.fast.kernels.draft.context_kv:context_k_norm_rope_torch",  # ReferenceDraft.context_kv
                 "dflash2.fast.kernels.draft.context_kv:context_k_norm_rope_triton"),
                "dflash2.reference.model.draft:ReferenceDraft", "conformance/ops/test_context_kv.py"),
+    KernelTwin("quant_dequant",  # a GGUF weight's blocks to values; the reference reads them through gguf-py's numpy code
+               ("dflash2.fast.kernels.quant.dequant_torch:dequantize_torch",
+                "dflash2.fast.kernels.quant.dequant_triton:dequantize_triton"),
+               "dflash2.reference.formats.gguf_file:dequantize", "conformance/ops/test_quant_dequant.py"),
+    KernelTwin("quant_matmul",  # x @ W^T straight from the blocks; the reference multiplies the dequantized matrix
+               ("dflash2.fast.kernels.quant.quant_matmul:quant_matmul_torch",
+                "dflash2.fast.kernels.quant.quant_matmul:quant_matmul_triton"),
+               "dflash2.reference.formats.gguf_file:dequantize", "conformance/ops/test_quant_linear.py"),
 )

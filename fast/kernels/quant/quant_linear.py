@@ -1,0 +1,69 @@
+"""The entry points the engine calls with a GGUF weight: :func:`dequantize` and :func:`quant_linear`.
+
+``dequantize(qw, dtype)`` -> ``qw.shape`` in ``dtype``: the Triton kernel on CUDA (``dequant_triton``), its torch
+twin elsewhere (one :class:`KernelOp`). Stacked experts ``[E, rows, cols]`` dequantize whole, or one expert at a
+time through ``qw[e]``.
+
+``quant_linear(x, qw)`` -> ``x @ W^T`` for x ``[..., K]`` and W ``[R, K]``, in x's dtype. It picks by the number of
+rows N of x (leading dimensions flattened)::
+
+    N <= FUSED_MAX_ROWS:  quant_matmul (the fused kernel on CUDA: W's bytes streamed once, nothing written)
+    otherwise:            dequantize(W, x.dtype), then torch's dense matmul (cuBLAS on CUDA)
+
+Past a few dozen rows the product is compute bound and a tensor-core GEMM on the dequantized copy wins, the
+copy's write and read being paid once for the whole chunk; at decode and verify rows the fused kernel reads
+3-8.5 bits a weight instead of 16 written and 16 read. Where the two cross depends on the GPU, the type and
+the shape: FUSED_MAX_ROWS is a tunable, its default the fused kernel's whole domain (``quant_matmul.MAX_ROWS``),
+NOT a measured crossover; bench/kernels/bench_quant_linear.py measures both paths (the fused kernel and
+dequantize + matmul) at the released shapes, which is what should set it.
+
+F32/F16/BF16 weights take the second path always (their "dequantize" is a view and a cast).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..common.dispatch import GpuForm, KernelOp
+from .dequant_torch import dequantize_torch
+from .dequant_triton import OUT_DTYPES, dequantize_triton
+from .layout import QUANT_TYPES, QuantWeight
+from .quant_matmul import MAX_ROWS, quant_matmul
+
+FUSED_MAX_ROWS = MAX_ROWS  # tunable (module docstring): the most rows quant_linear sends to the fused kernel
+
+
+def _dequantize_torch(data: Tensor, qw: QuantWeight, dtype: torch.dtype) -> Tensor:
+    return dequantize_torch(qw, dtype)
+
+
+def _dequantize_triton(data: Tensor, qw: QuantWeight, dtype: torch.dtype) -> Tensor:
+    return dequantize_triton(qw, dtype)
+
+
+def _dequantize_fits(data: Tensor, qw: QuantWeight, dtype: torch.dtype) -> bool:
+    return qw.qtype in QUANT_TYPES and dtype in OUT_DTYPES
+
+
+# the op takes the bytes tensor first: KernelOp dispatches by the device of the call's first tensor argument
+dequantize_op = KernelOp("quant_dequantize", _dequantize_torch, GpuForm(_dequantize_triton, fits=_dequantize_fits))
+
+
+def dequantize(qw: QuantWeight, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``qw``'s values in ``dtype``, shape ``qw.shape`` (the kernel on CUDA, the torch twin elsewhere)."""
+    return dequantize_op(qw.data, qw, dtype)
+
+
+def quant_linear(x: Tensor, qw: QuantWeight) -> Tensor:
+    """``x @ W^T``: x ``[..., K]``, ``qw`` ``[R, K]`` -> ``[..., R]`` in x's dtype (the path by row count: module
+    docstring)."""
+    if len(qw.shape) != 2 or x.shape[-1] != qw.cols:
+        raise ValueError(f"x {list(x.shape)}, weight {list(qw.shape)}: expected [..., K] and [R, K]")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, qw.cols)
+    if qw.qtype in QUANT_TYPES and x2.shape[0] <= FUSED_MAX_ROWS:
+        y = quant_matmul(x2, qw)
+    else:
+        y = x2 @ dequantize(qw, x.dtype).T
+    return y.reshape(*lead, qw.rows)
