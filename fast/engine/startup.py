@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash2.reference.formats.checkpoint import load_target
+from dflash2.reference.formats.gguf_file import is_gguf_path
 from dflash2.reference.formats.config import TargetConfig, load_target_config, resolve_mtp_k
 from dflash2.reference.formats.draft_checkpoint import load_draft
 from dflash2.reference.formats.draft_config import load_draft_config
@@ -24,6 +25,8 @@ from dflash2.reference.tiny.dummy import DUMMY_LOAD_FORMAT, dummy_draft_weights,
 
 from ..kernels.common.pdl import LaunchSettings, configure
 from ..model.draft import FastDraft
+from ..model.dummy_quantized import DummyQuantizedWeights
+from ..model.gguf_quantized import load_gguf_target_quantized
 from ..model.mtp import FastMTP
 from ..model.pools import CachePools, gdn_bytes_per_slot, kv_bytes_per_token, verify_bytes_per_seq
 from ..model.target import FastTarget
@@ -67,6 +70,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if dummy:  # the config is validated as for a real checkpoint; the tensors are drawn on the device
         target_cfg = load_target_config(cfg.model_path)
         weights = dummy_target_weights(target_cfg, seed=cfg.seed, dtype=dtype, device=device)
+        if cfg.dummy_weight_type is not None:  # the matrices as random GGUF blocks, kept quantized
+            weights = DummyQuantizedWeights(weights, weights.shapes, cfg.dummy_weight_type, cfg.seed, device,
+                                            tied=target_cfg.tie_word_embeddings)
+    elif is_gguf_path(cfg.model_path):  # quantized matrices stay quantized (fast/model/gguf_quantized.py)
+        target_cfg, weights = load_gguf_target_quantized(cfg.model_path)
     else:
         target_cfg, weights = load_target(cfg.model_path, dtype=None)  # as stored: the model casts per tensor
     max_model_len = cfg.max_model_len or target_cfg.max_position_embeddings

@@ -20,6 +20,7 @@ from dflash2.reference.formats.config import TargetConfig
 
 from ..kernels.attention.attention_prologue import output_gate, qk_norm_rope
 from ..kernels.attention.paged_attention import paged_attention
+from .linear import linear
 from .params import Params, zero_centred_scale
 from .pools import PagedKV
 from .step import StepMeta
@@ -35,7 +36,7 @@ class FastAttention:
         self.cfg = cfg
         self.dtype = params.dtype
         self.w_qkv = params.fused(f"{p}q_proj.weight", f"{p}k_proj.weight", f"{p}v_proj.weight")  # [2HD + 2HkvD, C]
-        self.w_o = params.get(f"{p}o_proj.weight")  # [C, H D]
+        self.w_o = params.weight(f"{p}o_proj.weight")  # [C, H D]
         self.q_scale = zero_centred_scale(params.get(f"{p}q_norm.weight", torch.float32))  # [D]
         self.k_scale = zero_centred_scale(params.get(f"{p}k_norm.weight", torch.float32))  # [D]
 
@@ -44,9 +45,9 @@ class FastAttention:
         cfg = self.cfg
         rows, h, hkv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
-        qkv = x @ self.w_qkv.T  # [N, H 2D + 2 Hkv D]
+        qkv = linear(x, self.w_qkv)  # [N, H 2D + 2 Hkv D]
         gate = qkv[:, :2 * h * d].view(rows, h, 2 * d)[..., d:]  # [N, H, D]: per head [query D | gate D]
         q = qk_norm_rope(qkv, self.q_scale, self.k_scale, meta.rope_cos, meta.rope_sin, eps, h, hkv, kv.key_storage,
                          kv.value_storage, meta.kv_write_index)  # [N, H, D]; the rows' K/V are written
         attn = paged_attention(q, kv.key_storage, kv.value_storage, meta)  # [N, H, D]
-        return output_gate(attn, gate) @ self.w_o.T  # [N, C]
+        return linear(output_gate(attn, gate), self.w_o)  # [N, C]

@@ -74,6 +74,7 @@ from ..kernels.draft.dynamic_conv import grouped_dynamic_conv
 from ..kernels.draft.ring_attention import ring_attention
 from ..kernels.dense.skinny_linear import skinny_linear
 from .capture import graph_cut, layer_cuts
+from .linear import linear
 
 if TYPE_CHECKING:
     from dflash2.fast.speculative.ring import RingPool
@@ -119,14 +120,15 @@ class FastDraft:
                  target_lm_head: Tensor, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         expected = (cfg.vocab_size, cfg.hidden_size)
         for name, t in (("target_embed", target_embed), ("target_lm_head", target_lm_head)):
-            if tuple(t.shape) != expected:
+            if tuple(t.shape) != expected:  # (a QuantParam head, a GGUF target's, has its logical shape)
                 raise ValueError(f"{name} has shape {list(t.shape)}, expected {list(expected)} for this draft")
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.w = {name: t.to(device=self.device, dtype=dtype) for name, t in draft_weights.items()}
         self.norms = {name: t.to(device=self.device, dtype=torch.float32)  # fp32 scales, applied as stored
                       for name, t in draft_weights.items() if name.endswith("norm.weight")}
         self.embed = target_embed.to(device=self.device, dtype=dtype)  # [V, C]
-        self.lm_head = target_lm_head.to(device=self.device, dtype=dtype)  # [V, C]
+        self.lm_head = (target_lm_head.to(device=self.device, dtype=dtype) if isinstance(target_lm_head, Tensor)
+                        else target_lm_head.to(self.device))  # [V, C], dense or a GGUF target's QuantParam
         # the context K/V projection of every layer as one [L*2*Hkv*D, C] matrix (layer-major, k then v);
         # the k_proj / v_proj entries become views into it
         layers = range(cfg.num_hidden_layers)
@@ -280,5 +282,5 @@ class FastDraft:
         hidden = u  # [B, S, C]: RMSNorm_norm of the last layer's x
         rows = hidden[:, 1:].reshape(-1, cfg.hidden_size)  # one 2-D GEMM (the 3-D slice ran as a slow bmm)
         # in the draft dtype: no fp32 copy of the B*(S-1) x V rows (the selector converts its candidates only)
-        logits = (rows @ self.lm_head.T).view(hidden.shape[0], cfg.block_size - 1, self.lm_head.shape[0])
+        logits = linear(rows, self.lm_head).view(hidden.shape[0], cfg.block_size - 1, cfg.vocab_size)
         return DraftBlocks(hidden=hidden, logits=logits)

@@ -30,6 +30,7 @@ from dflash2.reference.formats.config import TargetConfig
 from ..kernels.dense.rms_norm import gated_rms_norm
 from ..kernels.gdn.delta_rule import gated_delta_rule, gdn_recurrence
 from ..kernels.gdn.gdn_prologue import gdn_prologue
+from .linear import linear
 from .params import Params
 from .pools import GDNSlots
 from .step import StepMeta
@@ -51,7 +52,7 @@ class FastGDN:
         self.neg_decay = -torch.exp(params.get(f"{p}A_log", torch.float32))  # [Hv]
         self.dt_bias = params.get(f"{p}dt_bias", torch.float32)  # [Hv]
         self.norm_weight = params.get(f"{p}norm.weight", torch.float32)  # [Dv]
-        self.w_out = params.get(f"{p}out_proj.weight")  # [C, Hv Dv]
+        self.w_out = params.weight(f"{p}out_proj.weight")  # [C, Hv Dv]
 
     def forward(self, x: Tensor, meta: StepMeta, slots: GDNSlots) -> Tensor:
         """x: ``[N, C]`` after input_layernorm. Returns ``[N, C]``; updates the slots or the verify scratch."""
@@ -59,7 +60,7 @@ class FastGDN:
         rows = x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        conv_in, z, b, a = torch.split(x @ self.w_in.T, [cfg.gdn_conv_dim, hv * dv, hv, hv], dim=-1)
+        conv_in, z, b, a = torch.split(linear(x, self.w_in), [cfg.gdn_conv_dim, hv * dv, hv, hv], dim=-1)
 
         verify_inputs = None
         if meta.is_verify:
@@ -74,4 +75,4 @@ class FastGDN:
         o = gdn_recurrence(q, k, v, g, beta, slots.recurrent_storage, meta, verify_rows)  # [N, Hv, Dv] fp32
 
         o = gated_rms_norm(o, z.reshape(rows, hv, dv), self.norm_weight, cfg.rms_norm_eps, self.dtype)
-        return o.reshape(rows, hv * dv) @ self.w_out.T  # [N, C]
+        return linear(o.reshape(rows, hv * dv), self.w_out)  # [N, C]

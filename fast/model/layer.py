@@ -20,6 +20,8 @@ from .gdn import FastGDN
 from .mlp import FastMLP
 from .moe import FastMoE
 from ..kernels.dense.rms_norm import add_rms_norm
+from ..kernels.quant.quant_linear import dequantize_op
+from ..kernels.quant.quant_matmul import quant_matmul
 from .params import Params, zero_centred_scale
 from .pools import GDNSlots, PagedKV
 from .step import StepMeta
@@ -37,7 +39,8 @@ class FastDecoderLayer:
         else:
             self.mixer = FastGDN(cfg, params, prefix)
         self.mlp: FastMoE | FastMLP = FastMoE(cfg, params, prefix) if cfg.is_moe else FastMLP(params, prefix)
-        self.ops = (add_rms_norm, *self.mixer.ops, *self.mlp.ops)  # the kernel ops it runs
+        quant_ops = (quant_matmul, dequantize_op) if params.quantized else ()  # a GGUF target's projections
+        self.ops = (add_rms_norm, *self.mixer.ops, *self.mlp.ops, *quant_ops)  # the kernel ops it runs
 
     def forward(self, x: Tensor, meta: StepMeta, state: PagedKV | GDNSlots) -> Tensor:
         """x: ``[N, C]`` residual rows. Returns the new residual ``[N, C]``."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..kernels.dense.swiglu import swiglu, swiglu_act
+from ..kernels.dense.swiglu import swiglu_act
+from .linear import linear
 from .params import Params
 
 
@@ -24,8 +25,8 @@ class FastMLP:
     def __init__(self, params: Params, prefix: str):
         p = f"{prefix}mlp."
         self.w_gate_up = params.fused(f"{p}gate_proj.weight", f"{p}up_proj.weight")  # [2I, C]
-        self.w_down = params.get(f"{p}down_proj.weight")  # [C, I]
+        self.w_down = params.weight(f"{p}down_proj.weight")  # [C, I]
 
     def forward(self, x: Tensor) -> Tensor:
         """x: ``[N, C]`` after post_attention_layernorm. Returns ``[N, C]``."""
-        return swiglu(x, self.w_gate_up, self.w_down)
+        return linear(swiglu_act(linear(x, self.w_gate_up)), self.w_down)

@@ -19,9 +19,11 @@ from torch import Tensor
 from dflash2.reference.formats.config import TargetConfig
 
 from ..kernels.common.dispatch import GpuForm, KernelOp
-from ..kernels.dense.swiglu import swiglu, swiglu_act
+from ..kernels.dense.swiglu import swiglu_act
 from ..kernels.moe.moe import moe_experts, moe_experts_triton
 from ..kernels.moe.moe_router import route, route_triton
+from .linear import linear
+from .moe_quantized import QuantizedExperts
 from .params import Params
 
 
@@ -64,6 +66,17 @@ class FastMoE:
         self.top_k = cfg.num_experts_per_tok
         device = params.device
         num_experts = cfg.num_experts
+        self.quantized = params.is_quantized(f"{p}experts.gate_up_proj") or params.is_quantized(f"{p}experts.down_proj")
+        if self.quantized:  # a GGUF target's experts, kept as their blocks: QuantizedExperts (no shared-as-expert)
+            self.shared_as_expert = False
+            self.w_router = params.get(f"{p}gate.weight", torch.float32)  # [E, C]
+            self.experts = QuantizedExperts(params.weight(f"{p}experts.gate_up_proj"),
+                                            params.weight(f"{p}experts.down_proj"), params.dtype)
+            self.shared_gate_up = params.fused(f"{p}shared_expert.gate_proj.weight", f"{p}shared_expert.up_proj.weight")
+            self.shared_down = params.weight(f"{p}shared_expert.down_proj.weight")  # [C, Is]
+            self.shared_expert_gate = params.get(f"{p}shared_expert_gate.weight")  # [1, C]
+            self.ops = FastMoE.ops + QuantizedExperts.ops
+            return
         w_router = params.raw(f"{p}gate.weight")  # [E, C]
         gate_up_shape = params.shape(f"{p}experts.gate_up_proj")  # [E, 2I, C]
         down_shape = params.shape(f"{p}experts.down_proj")  # [E, C, I]
@@ -71,7 +84,8 @@ class FastMoE:
                                            f"{p}shared_expert.up_proj.weight")  # [2Is, C]
         shared_down = params.raw(f"{p}shared_expert.down_proj.weight")  # [C, Is]
         shared_gate = params.raw(f"{p}shared_expert_gate.weight")  # [1, C]
-        self.shared_as_expert = tuple(self.shared_gate_up.shape) == gate_up_shape[1:]
+        self.shared_as_expert = (isinstance(self.shared_gate_up, Tensor)
+                                 and tuple(self.shared_gate_up.shape) == gate_up_shape[1:])
         if self.shared_as_expert:
             self.router_with_shared = stack_rows(w_router, shared_gate[0], torch.float32, device)  # [E + 1, C]
             # the experts land in their final [E + 1, ...] buffers, written in place (Params.into): no E-expert copy
@@ -102,13 +116,17 @@ class FastMoE:
 
     def forward(self, x: Tensor) -> Tensor:
         """x: ``[N, C]`` after post_attention_layernorm. Returns ``[N, C]`` in x's dtype."""
-        return moe_sublayer(self, x)
+        return self.forward_unfused(x) if self.quantized else moe_sublayer(self, x)
 
     def forward_unfused(self, x: Tensor) -> Tensor:
         """The module docstring's form: route, the routed experts, the shared expert beside them."""
         expert_ids, weights = route(x, self.w_router, self.top_k)  # [N, k] int64, [N, k] fp32
-        routed = moe_experts(x, expert_ids, weights, self.gate_up, self.down)  # [N, C] fp32
-        shared = torch.sigmoid(x @ self.shared_expert_gate.T) * swiglu(x, self.shared_gate_up, self.shared_down)
+        if self.quantized:
+            routed = self.experts(x, expert_ids, weights)  # [N, C] fp32
+        else:
+            routed = moe_experts(x, expert_ids, weights, self.gate_up, self.down)  # [N, C] fp32
+        mlp = linear(swiglu_act(linear(x, self.shared_gate_up)), self.shared_down)
+        shared = torch.sigmoid(x @ self.shared_expert_gate.T) * mlp
         return (routed + shared.float()).to(x.dtype)
 
     def forward_four_kernels(self, x: Tensor) -> Tensor:

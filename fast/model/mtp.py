@@ -27,6 +27,7 @@ from dflash2.reference.formats.errors import ConfigError, expect
 from .batch import ForwardBatch
 from .layer import FastDecoderLayer
 from ..kernels.dense.rms_norm import rms_norm
+from .linear import linear
 from .params import Params, zero_centred_scale
 from .pools import CachePools
 from .step import StepMeta
@@ -51,8 +52,8 @@ class FastMTP:
             self.embed, self.lm_head = target.embed, target.lm_head
         else:
             self.embed = params.get("embed_tokens.weight")  # [V, C]
-            self.lm_head = params.get("lm_head.weight")  # [V, C]
-        self.fc = params.get("mtp.fc.weight")  # [C, 2C]
+            self.lm_head = params.weight("lm_head.weight")  # [V, C]
+        self.fc = params.weight("mtp.fc.weight")  # [C, 2C]
         self.embedding_scale = zero_centred_scale(params.get("mtp.pre_fc_norm_embedding.weight", torch.float32))
         self.hidden_scale = zero_centred_scale(params.get("mtp.pre_fc_norm_hidden.weight", torch.float32))
         self.final_scale = zero_centred_scale(params.get("mtp.norm.weight", torch.float32))
@@ -66,7 +67,7 @@ class FastMTP:
         eps = self.cfg.rms_norm_eps
         e = rms_norm(self.embed[batch.token_ids], self.embedding_scale, eps, self.dtype)  # [N, C]
         u = rms_norm(hidden, self.hidden_scale, eps, self.dtype)  # [N, C]
-        x = torch.cat([e, u], dim=-1) @ self.fc.T  # [N, C]
+        x = linear(torch.cat([e, u], dim=-1), self.fc)  # [N, C]
         x = self.layer.forward(x, meta, pools.mtp)
         out = rms_norm(x, self.final_scale, eps, self.dtype)  # [N, C]
-        return MTPOutput(logits=(out[batch.logits_rows] @ self.lm_head.T).float(), hidden=out)
+        return MTPOutput(logits=linear(out[batch.logits_rows], self.lm_head).float(), hidden=out)

@@ -3,6 +3,10 @@
 Every tensor is checked against the canonical shape table before use, so a fast model refuses a
 checkpoint exactly where the reference would (a :class:`CheckpointError` naming the tensor).
 Projections that read the same input are fused into one matrix by the modules (``cat`` on rows).
+
+A GGUF target's quantized matrices arrive as :class:`QuantParam` (``gguf_quantized.py``): :meth:`Params.weight`
+and :meth:`Params.fused` keep them quantized (the modules multiply through ``linear.linear``), :meth:`Params.get`
+dequantizes (an embedding's row lookup, a weight a kernel needs dense).
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ from torch import Tensor
 from dflash2.reference.formats.config import TargetConfig
 from dflash2.reference.formats.errors import CheckpointError
 from dflash2.reference.formats.weights import expected_target_shapes
+
+from ..kernels.quant.quant_linear import dequantize
+from ..kernels.quant.layout import QuantWeight
+from .gguf_quantized import QuantParam
 
 
 class Params:
@@ -65,12 +73,51 @@ class Params:
         tied = name == "lm_head.weight" and self.cfg.tie_word_embeddings
         key = ("embed_tokens.weight" if tied else name, dtype)
         if key not in self._converted:
-            self._converted[key] = self.raw(name).detach().to(device=self.device, dtype=dtype).contiguous()
+            raw = self.raw(name)
+            if isinstance(raw, QuantParam):  # dequantized on the device; the file's column order undone
+                dense = dequantize(raw.weight.to(self.device), dtype)
+                if raw.input_perm is not None:
+                    dense = dense[..., torch.argsort(raw.input_perm.to(self.device))]
+                self._converted[key] = dense.contiguous()
+            else:
+                self._converted[key] = raw.detach().to(device=self.device, dtype=dtype).contiguous()
         return self._converted[key]
 
-    def fused(self, *names: str) -> Tensor:
-        """Row-wise concatenation of projections that read the same input, in the model dtype."""
-        return torch.cat([self.raw(n).detach().to(device=self.device, dtype=self.dtype) for n in names]).contiguous()
+    @property
+    def quantized(self) -> bool:
+        """Whether any tensor is kept quantized (a GGUF target's; a lazy mapping, dummy weights, is not read)."""
+        if getattr(self.weights, "quantized", False):  # dummy quantized weights say so (dummy_quantized.py)
+            return True
+        return isinstance(self.weights, dict) and any(isinstance(w, QuantParam) for w in self.weights.values())
+
+    def is_quantized(self, name: str) -> bool:
+        return isinstance(self.raw(name), QuantParam)
+
+    def weight(self, name: str) -> Tensor | QuantParam:
+        """A projection weight for ``linear.linear``: kept quantized on the device if the checkpoint stores it so
+        (tied embeddings: the head shares the embedding's bytes), else :meth:`get`."""
+        raw = self.raw(name)
+        if not isinstance(raw, QuantParam):
+            return self.get(name)
+        tied = name == "lm_head.weight" and self.cfg.tie_word_embeddings
+        key = ("embed_tokens.weight" if tied else name, torch.uint8)
+        if key not in self._converted:
+            self._converted[key] = raw.to(self.device)
+        return self._converted[key]
+
+    def fused(self, *names: str) -> Tensor | QuantParam | tuple:
+        """Row-wise concatenation of projections that read the same input, in the model dtype. Quantized parts
+        (a GGUF target): one :class:`QuantParam` where every part has one type and the file's column order,
+        else a tuple of the parts (``linear.linear`` concatenates their products)."""
+        raws = [self.raw(n) for n in names]
+        if not any(isinstance(r, QuantParam) for r in raws):
+            return torch.cat([r.detach().to(device=self.device, dtype=self.dtype) for r in raws]).contiguous()
+        kinds = {(r.weight.qtype, r.input_perm is None) if isinstance(r, QuantParam) else None for r in raws}
+        if len(kinds) == 1 and None not in kinds and next(iter(kinds))[1]:
+            first = raws[0].weight
+            data = torch.cat([r.weight.data for r in raws]).to(self.device)
+            return QuantParam(QuantWeight(data, first.qtype, (sum(r.shape[0] for r in raws), first.cols)))
+        return tuple(self.weight(n) for n in names)
 
 
 def zero_centred_scale(weight: Tensor) -> Tensor:

@@ -33,6 +33,7 @@ from .capture import graph_cut, layer_cuts
 from .layer import FastDecoderLayer
 from ..kernels.attention.rope import inv_freq
 from ..kernels.dense.rms_norm import add_rms_norm
+from .linear import linear
 from .params import Params, zero_centred_scale
 from .pools import CachePools
 from .step import StepMeta
@@ -59,7 +60,7 @@ class FastTarget:
         self.tap_layers = tuple(tap_layers)
         self.last_tap = max(self.tap_layers, default=-1)  # where forward's on_taps fires
         self.embed = params.get("embed_tokens.weight")  # [V, C]
-        self.lm_head = params.get("lm_head.weight")  # [V, C] (the embedding itself when tied)
+        self.lm_head = params.weight("lm_head.weight")  # [V, C] (the embedding itself when tied; a GGUF's kept quantized)
         self.final_scale = zero_centred_scale(params.get("norm.weight", torch.float32))  # [C]
         inv_freq(cfg.rotary_dim, cfg.rope_theta, self.device)  # every step's RoPE reads it: made here, not in a capture
         self.layers = [FastDecoderLayer(cfg, params, f"layers.{i}.", kind) for i, kind in enumerate(cfg.layer_types)]
@@ -98,5 +99,5 @@ class FastTarget:
                 if on_taps is not None and i == self.last_tap:
                     on_taps(taps)
         _, hidden = add_rms_norm(x, pending, self.final_scale, self.cfg.rms_norm_eps, self.dtype)  # [N, C]
-        logits = (hidden[batch.logits_rows] @ self.lm_head.T).float()  # [M, V]
+        logits = linear(hidden[batch.logits_rows], self.lm_head).float()  # [M, V]
         return FastOutput(logits=logits, hidden=hidden, taps=taps, meta=meta)

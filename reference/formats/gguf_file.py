@@ -99,14 +99,20 @@ class GGUFModel:
 
     def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor, dequantized by gguf-py to float32, then cast to ``dtype``; shape in torch order."""
+        data, qtype = self.stored(name)
+        values = dequantize(data, qtype).astype(np.float32, copy=False)
+        return torch.from_numpy(values.reshape(self.shape(name)).copy()).to(dtype)
+
+    def stored(self, name: str) -> tuple[np.ndarray, GGMLQuantizationType]:
+        """The tensor's bytes as the file holds them (a read-only memory map: uint8 rows of blocks for a quantized
+        type, the values for F32/F16) and its type; a type outside :data:`SUPPORTED_TYPES` is refused."""
         located = self._locate(name)
         qtype = located.tensor.tensor_type
         if qtype not in SUPPORTED_TYPES:
             raise CheckpointError(
                 f"{located.file}: tensor {name!r} is stored as {qtype.name}; expected one of "
                 f"{', '.join(t.name for t in SUPPORTED_TYPES)}")
-        values = dequantize(np.asarray(located.tensor.data), qtype).astype(np.float32, copy=False)
-        return torch.from_numpy(values.reshape(self.shape(name)).copy()).to(dtype)
+        return np.asarray(located.tensor.data), qtype
 
     def _locate(self, name: str) -> _Located:
         if name not in self._tensors:

@@ -261,7 +261,7 @@ def undo_converter(cfg: TargetConfig, canonical: str, stored: torch.Tensor) -> t
         tensor = torch.log(-tensor)
     if canonical.endswith("linear_attn.conv1d.weight"):
         tensor = tensor.unsqueeze(1)  # [channels, K] -> [channels, 1, K]
-    return _value_heads_grouped(cfg, canonical, tensor)
+    return value_heads_grouped(cfg, canonical, tensor)
 
 
 def stored_as_one_plus(canonical: str) -> bool:
@@ -272,7 +272,7 @@ def stored_as_one_plus(canonical: str) -> bool:
     return is_norm and not canonical.endswith("linear_attn.norm.weight")
 
 
-def _value_heads_grouped(cfg: TargetConfig, canonical: str, tensor: torch.Tensor) -> torch.Tensor:
+def value_heads_grouped(cfg: TargetConfig, canonical: str, tensor: torch.Tensor) -> torch.Tensor:
     """Undo the converter's reordering of GDN value heads from grouped to tiled order."""
     k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     if "linear_attn." not in canonical or k_heads == v_heads:

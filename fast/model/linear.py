@@ -1,0 +1,41 @@
+"""The projections of the fast models, dense or GGUF-quantized: ``linear(x, w) = x @ W^T``.
+
+A module holds each projection weight as what :class:`Params` gave it:
+
+- a dense ``Tensor`` ``[R, K]`` in the model dtype: ``x @ w.T`` (cuBLAS on CUDA);
+- a :class:`QuantParam` (a GGUF matrix kept as its blocks, ``fast/model/gguf_quantized.py``):
+  ``quant_linear`` (``fast/kernels/quant``: the fused dequant-matmul for decode and verify rows, dequantize
+  then a dense GEMM for prefill chunks), its input first put in the file's column order where the converter
+  permuted columns (``input_perm``);
+- a ``tuple`` of those, for projections :meth:`Params.fused` could not fuse (quantized parts of different
+  types, as llama.cpp's mixtures store ``attn_v`` apart from ``attn_q``/``attn_k``): each part's product,
+  concatenated on the output dimension, the order of the parts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..kernels.quant.quant_linear import quant_linear
+from .gguf_quantized import QuantParam
+
+Weight = Tensor | QuantParam | tuple
+
+
+def linear(x: Tensor, w: Weight) -> Tensor:
+    """``x @ W^T``: x ``[N, K]``, W ``[R, K]`` (logical) -> ``[N, R]`` in x's dtype."""
+    if isinstance(w, Tensor):
+        return x @ w.T
+    if isinstance(w, QuantParam):
+        if w.input_perm is not None:
+            x = x.index_select(-1, w.input_perm)
+        return quant_linear(x, w.weight)
+    return torch.cat([linear(x, part) for part in w], dim=-1)
+
+
+def out_features(w: Weight) -> int:
+    """R, the rows of ``w`` (the sum of its parts' for a tuple)."""
+    if isinstance(w, tuple):
+        return sum(out_features(part) for part in w)
+    return w.shape[-2]
