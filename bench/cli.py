@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash2.fast.engine.config import LOAD_FORMATS, SPECULATIVE_DEPTHS, SPEED_SWITCHES
+from dflash2.fast.engine.config import DUMMY_WEIGHT_TYPES, LOAD_FORMATS, SPECULATIVE_DEPTHS, SPEED_SWITCHES
 from dflash2.reference.formats.errors import UserInputError
 from dflash2.reference.request.sampling_params import SamplingParams
 
@@ -63,6 +63,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None, help="DFlash 2 draft folder (needed by the dflash settings)")
     p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="dummy: random weights at the config's shape, built on the device (timing only)")
+    p.add_argument("--dummy-weight-type", choices=DUMMY_WEIGHT_TYPES, default=None,
+                   help="with --load-format dummy: the target's matrices as random GGUF blocks of this type, kept "
+                        "quantized (timing a quantized target at a real shape)")
     p.add_argument("--settings", type=_settings, default=list(SETTING_NAMES), help="comma-separated (default: all)")
     p.add_argument("--concurrency", type=_int_list, default=[1, 4, 16], help="requests at once (default: 1,4,16)")
     p.add_argument("--prompt-lens", type=_int_list, default=[512, 4096], help="prompt tokens (default: 512,4096)")
@@ -147,5 +150,6 @@ def run_bench(args: argparse.Namespace) -> int:
                                   **({"cpu_cache_bytes": args.cpu_cache_bytes} if args.cpu_cache_bytes else {}),
                                   **({"memory_ratio": args.memory_ratio} if args.memory_ratio is not None else {}),
                                   "prefix_caching": args.prefix_caching,
+                                  **({"dummy_weight_type": args.dummy_weight_type} if args.dummy_weight_type else {}),
                                   **{switch: getattr(args, switch) for switch in SPEED_SWITCHES}})
     return main(bench_args)

@@ -17,8 +17,11 @@ import torch
 
 from dflash2.reference.formats.errors import ConfigError, expect, is_int
 
+from ..kernels.quant.layout import QUANT_TYPES
+
 SPECULATIVE_ALGORITHMS = ("none", "mtp", "dflash")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (reference/tiny/dummy.py)
+DUMMY_WEIGHT_TYPES = tuple(t.name for t in QUANT_TYPES)  # --dummy-weight-type: the GGUF types the kernels decode
 SPECULATIVE_DEPTHS = ("fixed", "adaptive")  # fast/speculative/depth.py
 # each off gives the same tokens (A/B timing)
 SPEED_SWITCHES = ("side_stream", "propose_ahead", "overlap_schedule", "pdl", "l2_prefetch")
@@ -50,6 +53,9 @@ class EngineConfig:
     speculative_depth: str = "adaptive"
     seed: int = 0  # seeds torch's global generator at startup; every sampling draw is keyed by the request's seed
     load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights (timing only)
+    # with load_format dummy: the target's matrices as random GGUF blocks of this type (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS,
+    # IQ3_XXS), kept quantized as a GGUF file's are (fast/model/dummy_quantized.py); None: dense in the model dtype
+    dummy_weight_type: str | None = None
     enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying captured CUDA graphs
     # the speed switches below are all on by default; each off gives the same tokens (A/B timing, debugging)
     side_stream: bool = True  # CUDA: a verify step's DFlash observe on a second stream beside the step
@@ -115,6 +121,11 @@ class EngineConfig:
                "an integer in [0, 2^63)")
         expect(self.load_format in LOAD_FORMATS, ConfigError, "load_format", self.load_format,
                f"one of {LOAD_FORMATS}")
+        if self.dummy_weight_type is not None:
+            expect(self.dummy_weight_type in DUMMY_WEIGHT_TYPES, ConfigError, "dummy_weight_type",
+                   self.dummy_weight_type, f"None or one of {DUMMY_WEIGHT_TYPES}")
+            expect(self.load_format == "dummy", ConfigError, "dummy_weight_type", self.dummy_weight_type,
+                   "only with load_format 'dummy' (a GGUF file's own types are read from it)")
         expect(self.snapshot_interval is None or (is_int(self.snapshot_interval) and self.snapshot_interval >=
                self.page_size and self.snapshot_interval % self.page_size == 0), ConfigError, "snapshot_interval",
                self.snapshot_interval, f"None or a positive multiple of page_size ({self.page_size})")
@@ -163,14 +174,16 @@ def _field(name: str):
 
 # flags of ``ft generate`` that fill EngineConfig fields (model_path is --model, the spec flags are shared)
 ENGINE_FLAGS = ("dtype", "device", "max_running_req", "max_num_batched_tokens", "page_size", "memory_ratio",
-                "cpu_cache_bytes", "max_model_len", "load_format", "speculative_depth", "enforce_eager", *SPEED_SWITCHES,
+                "cpu_cache_bytes", "max_model_len", "load_format", "dummy_weight_type", "speculative_depth", "enforce_eager", *SPEED_SWITCHES,
                 "prefix_caching", "snapshot_interval", "prefix_snapshots")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add ``--dtype``, ``--device``, ... with defaults read from :class:`EngineConfig`."""
-    types = {"dtype": str, "device": str, "memory_ratio": float, "load_format": str, "speculative_depth": str}
-    choices = {"load_format": LOAD_FORMATS, "speculative_depth": SPECULATIVE_DEPTHS}
+    types = {"dtype": str, "device": str, "memory_ratio": float, "load_format": str, "speculative_depth": str,
+             "dummy_weight_type": str}
+    choices = {"load_format": LOAD_FORMATS, "speculative_depth": SPECULATIVE_DEPTHS,
+               "dummy_weight_type": DUMMY_WEIGHT_TYPES}
     for name in ENGINE_FLAGS:
         default = _field(name).default
         flag = "--" + name.replace("_", "-")
