@@ -20,6 +20,10 @@ copy, counting bytes read plus bytes written), so a slow or shared card lowers i
 
 The floor counts no activation traffic and no arithmetic, so it is a bound no engine reaches.
 
+Quantized weights (``ft bench --load-format dummy --dummy-weight-type T``): a matrix the engine keeps as GGUF
+blocks of T (``fast/model/dummy_quantized.quantizable``) counts its blocks' bytes, ``numel / block_elems *
+block_bytes`` (4.5 bits a weight at Q4_K, 3.06 at IQ3_XXS), everything else its dtype's (:func:`stored_bytes`).
+
 A prefill is compute bound: its floor is ``prefill_flops / matmul rate``, the rate measured in the same run
 (``bench/measure.matmul_rate``: a large bf16 GEMM), from :func:`prefill_flops` (its docstring gives the count).
 """
@@ -33,6 +37,8 @@ from dflash2.reference.formats.config import TargetConfig
 from dflash2.reference.formats.draft_checkpoint import expected_draft_shapes
 from dflash2.reference.formats.draft_config import DraftConfig
 from dflash2.reference.formats.weights import expected_target_shapes
+from dflash2.fast.kernels.quant.layout import Q, block_shape
+from dflash2.fast.model.dummy_quantized import quantizable
 
 EXPERT_SUFFIXES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
@@ -40,6 +46,15 @@ EXPERT_SUFFIXES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 def expected_distinct_experts(num_experts: int, top_k: int, rows: int) -> float:
     """E[distinct experts] among ``rows`` independent uniform top-k routings."""
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** rows)
+
+
+def stored_bytes(name: str, shape: tuple[int, ...], itemsize: int, weight_type: str | None = None) -> float:
+    """Bytes of canonical tensor ``name`` as the engine holds it: GGUF blocks of ``weight_type`` where the dummy
+    quantized load makes it so, else ``itemsize`` a value."""
+    if weight_type is not None and quantizable(name, shape, Q[weight_type]):
+        elems, nbytes = block_shape(Q[weight_type])
+        return math.prod(shape) / elems * nbytes
+    return math.prod(shape) * itemsize
 
 
 @dataclass(frozen=True)
@@ -53,14 +68,14 @@ class StepBytes:
 
 
 def target_step_bytes(cfg: TargetConfig, itemsize: int, *, num_seqs: int, rows_per_seq: int,
-                      context: int) -> StepBytes:
+                      context: int, weight_type: str | None = None) -> StepBytes:
     """Bytes one target step over ``num_seqs`` sequences of ``rows_per_seq`` rows must move (module docstring)."""
     rows = num_seqs * rows_per_seq
     weights = 0.0
     for name, shape in expected_target_shapes(cfg).items():
         if name.startswith("mtp.") or name == "embed_tokens.weight":
             continue
-        size = math.prod(shape) * itemsize
+        size = stored_bytes(name, shape, itemsize, weight_type)
         if name.endswith(EXPERT_SUFFIXES):
             size *= expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, rows) / cfg.num_experts
         weights += size
@@ -71,29 +86,30 @@ def target_step_bytes(cfg: TargetConfig, itemsize: int, *, num_seqs: int, rows_p
     return StepBytes(weights, kv + gdn)
 
 
-def mtp_draft_bytes(cfg: TargetConfig, itemsize: int, *, num_seqs: int, k: int) -> float:
+def mtp_draft_bytes(cfg: TargetConfig, itemsize: int, *, num_seqs: int, k: int, weight_type: str | None = None) -> float:
     """Weight bytes of k chained MTP drafts (the MTP layer and the LM head each step)."""
     shapes = expected_target_shapes(cfg)
     layer = 0.0
     for name, shape in shapes.items():
         if not name.startswith("mtp."):
             continue
-        size = math.prod(shape) * itemsize
+        size = stored_bytes(name, shape, itemsize, weight_type)
         if name.endswith(EXPERT_SUFFIXES):
             size *= expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, num_seqs) / cfg.num_experts
         layer += size
-    head = math.prod(shapes["lm_head.weight"]) * itemsize
+    head = stored_bytes("lm_head.weight", shapes["lm_head.weight"], itemsize, weight_type)
     return k * (layer + head)
 
 
-def dflash_draft_bytes(draft: DraftConfig, target: TargetConfig, itemsize: int) -> float:
+def dflash_draft_bytes(draft: DraftConfig, target: TargetConfig, itemsize: int, weight_type: str | None = None) -> float:
     """Weight bytes of one DFlash draft forward: its layers, fc and norms, the selector's projection, the LM head."""
     total = 0.0
     for name, shape in expected_draft_shapes(draft).items():
         if name.endswith("codebook"):
             continue  # gathered rows only
         total += math.prod(shape) * itemsize
-    return total + target.vocab_size * target.hidden_size * itemsize
+    head = (target.vocab_size, target.hidden_size)  # the target's head (its blocks, for a quantized target)
+    return total + stored_bytes("lm_head.weight", head, itemsize, weight_type)
 
 
 GDN_CHUNK = 64  # rows per chunk of the chunked gated delta rule (flash-linear-attention's BT, fast/kernels/gdn/gdn_prefill.py)

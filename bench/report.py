@@ -48,7 +48,8 @@ def ratio_medians(pairs: list[tuple[dict, dict, float]]) -> list[tuple[tuple, li
 def markdown(result: dict) -> str:
     sim = result.get("simulated_tokens_per_step")
     lines = [
-        f"# ft bench: {result['model']} ({result['load_format']} weights)",
+        f"# ft bench: {result['model']} ({result['load_format']} weights"
+        f"{', matrices as GGUF ' + result['dummy_weight_type'] if result.get('dummy_weight_type') else ''})",
         "",
         f"- date {result['date']}, device {result['device']}, torch {result['torch']}, "
         f"git HEAD as the run saw it {result['git']} (a copied checkout may carry a stale one)",

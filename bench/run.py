@@ -203,13 +203,15 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
     itemsize = torch.empty((), dtype=model.config.torch_dtype).element_size()
     context = prompt_len + args.max_tokens // 2
     rows = 1 + (k or 0)
-    floor_bytes = target_step_bytes(cfg, itemsize, num_seqs=concurrency, rows_per_seq=rows, context=context).total
+    weight_type = args.extra.get("dummy_weight_type")  # GGUF blocks: the floor counts their bytes
+    floor_bytes = target_step_bytes(cfg, itemsize, num_seqs=concurrency, rows_per_seq=rows, context=context,
+                                    weight_type=weight_type).total
     draft_params = 0
     if algorithm == "mtp":
-        floor_bytes += mtp_draft_bytes(cfg, itemsize, num_seqs=concurrency, k=k)
+        floor_bytes += mtp_draft_bytes(cfg, itemsize, num_seqs=concurrency, k=k, weight_type=weight_type)
     elif algorithm == "dflash":
         draft_cfg = load_draft_config(args.draft, cfg)
-        floor_bytes += dflash_draft_bytes(draft_cfg, cfg, itemsize)
+        floor_bytes += dflash_draft_bytes(draft_cfg, cfg, itemsize, weight_type)
         draft_params = sum(t.numel() for t in model.proposer.draft.w.values())
     row = {
         "setting": setting, "algorithm": algorithm, "k": k, "concurrency": concurrency, "prompt_len": prompt_len,
@@ -305,7 +307,8 @@ def run(args: BenchArgs, on_row=None) -> dict:
     result = {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "command": args.command, "model": args.model, "draft": args.draft,
-        "load_format": args.load_format, "copy_bandwidth_GBps": bandwidth / 1e9,
+        "load_format": args.load_format, "dummy_weight_type": args.extra.get("dummy_weight_type"),
+        "copy_bandwidth_GBps": bandwidth / 1e9,
         "bf16_matmul_TFLOPs": matmul_flops / 1e12 if matmul_flops else None,
         "shape": {"hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
                   "vocab_size": cfg.vocab_size, "is_moe": cfg.is_moe},

@@ -1,12 +1,14 @@
 """The prefill FLOPs of bench/floors.py against a count of the forward's matrix products written out by hand
-from the layer shapes, on tiny dense and MoE configs with odd sizes."""
+from the layer shapes, on tiny dense and MoE configs with odd sizes; the step bytes of quantized weights."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from dflash2.bench.floors import GDN_CHUNK, prefill_flops
-from dflash2.reference.formats.config import parse_target_config
+from dflash2.bench.floors import GDN_CHUNK, prefill_flops, stored_bytes, target_step_bytes
+from dflash2.reference.formats.config import load_target_config, parse_target_config
 
 C, V, H, HKV, D = 24, 101, 3, 1, 10  # hidden, vocab, query heads, KV heads, head dim
 HK, HV, DK, DV, K = 2, 4, 6, 5, 4  # GDN key heads, value heads, head dims, conv taps
@@ -79,3 +81,19 @@ def test_an_moe_token_pays_for_its_top_k_experts_not_all():
     extra = prefill_flops(config(True, num_experts=70), n) - prefill_flops(config(True, num_experts=7), n)
     assert extra == pytest.approx(len(LAYERS) * mm(n, C, 63), rel=1e-12)
     assert extra == pytest.approx(hand_count(True, n, 0, 1, 70) - hand_count(True, n, 0, 1, 7), rel=1e-12)
+
+
+def test_quantized_weights_count_their_blocks_bytes():
+    """--dummy-weight-type: a matrix kept as GGUF blocks costs its blocks' bytes (Q4_K: 144 bytes per 256 weights,
+    IQ3_XXS: 98), the router, the conv and the vectors their dtype's."""
+    cfg = load_target_config("bench/shapes/qwen3.5-35b-a3b")
+    down = "layers.0.mlp.experts.down_proj"
+    shape = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+    assert stored_bytes(down, shape, 2, "Q4_K") == math.prod(shape) * 144 / 256
+    assert stored_bytes(down, shape, 2, "IQ3_XXS") == math.prod(shape) * 98 / 256
+    assert stored_bytes(down, shape, 2) == math.prod(shape) * 2
+    router = ("layers.0.mlp.gate.weight", (cfg.num_experts, cfg.hidden_size))
+    assert stored_bytes(*router, 2, "Q4_K") == math.prod(router[1]) * 2
+    dense = target_step_bytes(cfg, 2, num_seqs=1, rows_per_seq=1, context=512)
+    q4 = target_step_bytes(cfg, 2, num_seqs=1, rows_per_seq=1, context=512, weight_type="Q4_K")
+    assert 0.25 < q4.weights / dense.weights < 0.3 and q4.caches == dense.caches  # ~4.5 of 16 bits
