@@ -10,7 +10,8 @@
 #      (setting:concurrency:prompt_len,...; the default below covers the issue's figures), with the
 #      seed's tokens per step of each setting simulated (timing only; `--simulate-tokens-per-step seed`;
 #      BENCH_SIM overrides, BENCH_SIM= turns it off);
-#      BENCH_SHAPES, BENCH_TOKENS, BENCH_FLAGS change it;
+#      BENCH_SHAPES, BENCH_TOKENS, BENCH_FLAGS change it; BENCH_WEIGHT_TYPES="bf16 Q4_K IQ3_XXS" runs each shape with
+#      its matrices as random GGUF blocks of each type too (issue 35's figures; floors count the blocks' bytes);
 #   6. print a short summary table last (after stage 7 when it runs): each ft bench row through its prefill tok/s
 #      and prefill floor columns (the rest of the table is in bench.md);
 #   7. with SERVE_LOAD=1, bench/load_serve.py against `ft serve` (MoE shape, dummy weights, loopback); with
@@ -68,10 +69,14 @@ if [ -z "${SKIP_BENCH:-}" ]; then
       *27b|*35b-a3b) sim=seed ;; *) sim= ;;
     esac
     sim=${BENCH_SIM-$sim}
-    python3 -m dflash2.cli bench --model "bench/shapes/$shape" --draft "bench/shapes/$shape-dflash2" \
-      --load-format dummy --runs "${BENCH_RUNS:-$default_runs}" \
-      --max-tokens "${BENCH_TOKENS:-64}" ${sim:+--simulate-tokens-per-step "$sim"} ${BENCH_FLAGS:-} \
-      --out "$out/bench-$shape" 2>&1 | tee "$out/bench-$shape.log" || bench_rc=1
+    for wtype in ${BENCH_WEIGHT_TYPES:-bf16}; do  # e.g. "bf16 Q4_K IQ3_XXS": the matrices as GGUF blocks of each
+      name=$shape; wflag=
+      [ "$wtype" != bf16 ] && name=$shape-$wtype && wflag="--dummy-weight-type $wtype"
+      python3 -m dflash2.cli bench --model "bench/shapes/$shape" --draft "bench/shapes/$shape-dflash2" \
+        --load-format dummy $wflag --runs "${BENCH_RUNS:-$default_runs}" \
+        --max-tokens "${BENCH_TOKENS:-64}" ${sim:+--simulate-tokens-per-step "$sim"} ${BENCH_FLAGS:-} \
+        --out "$out/bench-$name" 2>&1 | tee "$out/bench-$name.log" || bench_rc=1
+    done
   done
 fi
 
