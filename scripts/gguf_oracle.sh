@@ -33,12 +33,7 @@ OUT=tests/formats/gguf/golden/llama
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
-if [[ -z "${LLAMA_CPP_SDIST:-}" ]]; then
-    "$PYTHON" -m pip download --quiet --no-deps --no-binary=:all: "llama-cpp-python==$VERSION" -d "$WORK/sdist"
-    tar -xzf "$WORK/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$WORK/sdist"
-    LLAMA_CPP_SDIST="$WORK/sdist/llama_cpp_python-$VERSION"
-fi
-LLAMA="$LLAMA_CPP_SDIST/vendor/llama.cpp"
+source "$(dirname "$0")/llama_cpp_sdist.sh"  # sets LLAMA
 
 if [[ -z "${LLAMA_CPP_PYTHON:-}" ]]; then
     LLAMA_CPP_PYTHON="$WORK/llama-cpp-python"
