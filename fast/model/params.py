@@ -20,8 +20,8 @@ from dflash2.reference.formats.config import TargetConfig
 from dflash2.reference.formats.errors import CheckpointError
 from dflash2.reference.formats.weights import expected_target_shapes
 
-from ..kernels.quant.quant_linear import dequantize
 from ..kernels.quant.layout import QuantWeight
+from ..kernels.quant.quant_linear import dequantize
 from .gguf_quantized import QuantParam
 
 
