@@ -92,8 +92,8 @@ def _quantized(cfg: TargetConfig, model: GGUFModel, canonical: str, names: tuple
     if len(qtypes) != 1 or next(iter(qtypes)) not in QUANT_TYPES or len(shape) not in (2, 3):
         return None
     (qtype,) = qtypes
-    parts = [QuantWeight.from_bytes(data, qtype, model.shape(name)) for (data, _), name in zip(stored, names)]
     try:
+        parts = [QuantWeight.from_bytes(data, qtype, model.shape(name)) for (data, _), name in zip(stored, names)]
         return quant_param(cfg, canonical, parts, shape)
     except ValueError as e:
         raise CheckpointError(f"{model.path}: tensor {' + '.join(repr(n) for n in names)}: {e}") from None
