@@ -114,9 +114,9 @@ def test_refusals_and_empty(impl_device):
 # -- quant_linear and the op's dispatch -----------------------------------------------------------
 
 def test_quant_linear_picks_by_rows(monkeypatch):
-    """At the real bound: FUSED_MAX_ROWS rows take the fused op, one more dequantize + matmul (the forms replaced
-    by recorders: the choice alone is under test here); leading dimensions are flattened; float types always
-    take the dense path."""
+    """At the real bounds: FUSED_MAX_ROWS rows take the fused op once, one more row the fused op in slices of
+    FUSED_MAX_ROWS, CHUNKED_MAX_ROWS + 1 rows dequantize + matmul (the forms replaced by recorders: the choice
+    alone is under test here); leading dimensions are flattened; float types always take the dense path."""
     calls = []
     monkeypatch.setattr(ql, "quant_matmul", lambda x, qw: calls.append(("fused", x.shape[0])) or
                         torch.zeros(x.shape[0], qw.rows))
@@ -125,18 +125,31 @@ def test_quant_linear_picks_by_rows(monkeypatch):
     qw = make_weight(Q.Q4_K, (5, 256), seed=2)[0]
     bound = ql.FUSED_MAX_ROWS
     assert ql.quant_linear(torch.zeros(bound, 256), qw).shape == (bound, 5)
-    assert ql.quant_linear(torch.zeros(bound + 1, 256, dtype=torch.float16), qw).shape == (bound + 1, 5)
+    assert ql.quant_linear(torch.zeros(bound + 1, 256), qw).shape == (bound + 1, 5)
+    top = ql.CHUNKED_MAX_ROWS
+    assert ql.quant_linear(torch.zeros(top + 1, 256, dtype=torch.float16), qw).shape == (top + 1, 5)
     assert ql.quant_linear(torch.zeros(2, 3, 256), qw).shape == (2, 3, 5)
     f16 = make_weight(Q.F16, (5, 32), seed=2)[0]
     assert ql.quant_linear(torch.zeros(1, 32), f16).shape == (1, 5)
-    assert calls == [("fused", bound), ("dequantize", torch.float16), ("fused", 6), ("dequantize", torch.float32)]
+    assert calls == [("fused", bound), ("fused", bound), ("fused", 1), ("dequantize", torch.float16), ("fused", 6),
+                     ("dequantize", torch.float32)]
+
+
+def test_sliced_rows_equal_their_slices():
+    """The middle path: each FUSED_MAX_ROWS-row slice of x gives the bits quant_matmul gives it alone (a row's
+    output reads its own row only), so a verify batch's rows do not depend on how many share the step."""
+    qw = make_weight(Q.Q6_K, (7, 256), seed=4)[0]
+    x = torch.randn(ql.FUSED_MAX_ROWS * 2 + 3, 256, generator=torch.Generator().manual_seed(4))
+    got = ql.quant_linear(x, qw)
+    for i in range(0, x.shape[0], ql.FUSED_MAX_ROWS):
+        assert torch.equal(got[i:i + ql.FUSED_MAX_ROWS], quant_matmul(x[i:i + ql.FUSED_MAX_ROWS], qw))
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_quant_linear_under_forced_gpu(device, report):
-    """Under forced_gpu (the interpreter on the CPU): 3 rows through the fused kernel, 70 through the dequantize
-    kernel and a matmul, both NUMERIC against the exact product; the op picks the kernel for at most MAX_ROWS
-    rows."""
+    """Under forced_gpu (the interpreter on the CPU): 3 rows through the fused kernel, 70 through it in two slices
+    (quant_linear's middle path), both NUMERIC against the exact product; the op itself picks the kernel for at
+    most MAX_ROWS rows."""
     qw = make_weight(Q.IQ4_XS, (24, 256), seed=3)[0].to(device)
     gen = torch.Generator().manual_seed(3)
     for n in (3, 70):
