@@ -47,8 +47,8 @@ from dflash2.fast.kernels.sampling.sampler import SamplingTensors
 from dflash2.fast.llm import LLM, SamplingParams
 from dflash2.fast.speculative.proposer import DraftProposal
 from dflash2.fast.speculative.verify import verify_ragged
-from dflash2.reference.formats.config import load_target_config
-from dflash2.reference.formats.draft_config import load_draft_config
+from dflash2.reference.formats.checkpoint import target_config
+from dflash2.reference.formats.draft_checkpoint import draft_config
 
 from .floors import dflash_draft_bytes, mtp_draft_bytes, prefill_flops, target_step_bytes
 from .measure import copy_bandwidth, graph_seconds, matmul_rate
@@ -210,7 +210,7 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
     if algorithm == "mtp":
         floor_bytes += mtp_draft_bytes(cfg, itemsize, num_seqs=concurrency, k=k, weight_type=weight_type)
     elif algorithm == "dflash":
-        draft_cfg = load_draft_config(args.draft, cfg)
+        draft_cfg = draft_config(args.draft, cfg)
         floor_bytes += dflash_draft_bytes(draft_cfg, cfg, itemsize, weight_type)
         draft_params = sum(t.numel() for t in model.proposer.draft.w.values())
     row = {
@@ -303,7 +303,7 @@ def run(args: BenchArgs, on_row=None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else float("nan")
     matmul_flops = matmul_rate(device) if device.type == "cuda" else None  # bf16, the dtype ft bench's targets run in
-    cfg = load_target_config(args.model)
+    cfg = target_config(args.model)
     result = {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "command": args.command, "model": args.model, "draft": args.draft,

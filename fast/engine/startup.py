@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash2.reference.formats.checkpoint import load_target
+from dflash2.reference.formats.checkpoint import load_target, target_config
 from dflash2.reference.formats.gguf_file import is_gguf_path
-from dflash2.reference.formats.config import TargetConfig, load_target_config, resolve_mtp_k
-from dflash2.reference.formats.draft_checkpoint import load_draft
-from dflash2.reference.formats.draft_config import load_draft_config
+from dflash2.reference.formats.config import TargetConfig, resolve_mtp_k
+from dflash2.reference.formats.draft_checkpoint import draft_config, load_draft
 from dflash2.reference.formats.errors import ConfigError, expect
 from dflash2.reference.formats.tokenizer import check_tokenizer_fits, eos_token_ids, has_tokenizer, load_tokenizer
 from dflash2.reference.tiny.dummy import DUMMY_LOAD_FORMAT, dummy_draft_weights, dummy_target_weights
@@ -68,7 +67,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         before = torch.cuda.memory_allocated(device)
     dummy = cfg.load_format == DUMMY_LOAD_FORMAT
     if dummy:  # the config is validated as for a real checkpoint; the tensors are drawn on the device
-        target_cfg = load_target_config(cfg.model_path)
+        target_cfg = target_config(cfg.model_path)  # a folder's config.json or a GGUF file's metadata
         weights = dummy_target_weights(target_cfg, seed=cfg.seed, dtype=dtype, device=device)
         if cfg.dummy_weight_type is not None:  # the matrices as random GGUF blocks, kept quantized
             weights = DummyQuantizedWeights(weights, weights.shapes, cfg.dummy_weight_type, cfg.seed, device,
@@ -85,7 +84,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         k = resolve_mtp_k(target_cfg, cfg.speculative_num_steps)
     elif cfg.speculative_algorithm == "dflash":
         if dummy:
-            draft_cfg = load_draft_config(cfg.speculative_draft_model_path, target_cfg, cfg.speculative_num_steps)
+            draft_cfg = draft_config(cfg.speculative_draft_model_path, target_cfg, cfg.speculative_num_steps)
             draft_weights = dummy_draft_weights(draft_cfg, seed=cfg.seed + 1, dtype=dtype, device=device)
         else:
             draft_cfg, draft_weights = load_draft(cfg.speculative_draft_model_path, target_cfg,

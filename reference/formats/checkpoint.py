@@ -33,8 +33,8 @@ from safetensors import SafetensorError, safe_open
 
 from .config import TargetConfig, load_target_config
 from .errors import CheckpointError
-from .gguf_file import is_gguf_path
-from .gguf_target import load_gguf_target
+from .gguf_file import GGUFModel, is_gguf_path
+from .gguf_target import gguf_target_config, load_gguf_target
 from .weights import Shape, expected_target_shapes
 
 SINGLE_FILE = "model.safetensors"
@@ -120,6 +120,13 @@ def _scan_index(path: Path, index_file: Path) -> dict[str, TensorInfo]:
                 raise CheckpointError(f"{INDEX_FILE} places {name!r} in {shard!r}, but that shard does not hold it")
             tensors[name] = stored[name]
     return tensors
+
+
+def target_config(model_path: str | Path) -> TargetConfig:
+    """The target's validated config alone: a folder's ``config.json``, or a ``.gguf`` file's metadata."""
+    if is_gguf_path(model_path):
+        return gguf_target_config(GGUFModel(model_path))
+    return load_target_config(model_path)
 
 
 def load_target(model_path: str | Path,

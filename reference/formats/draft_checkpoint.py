@@ -33,7 +33,7 @@ from .checkpoint import FLOAT_DTYPES, TensorInfo, list_checkpoint_tensors
 from .config import TargetConfig
 from .draft_config import DraftConfig, load_draft_config
 from .errors import CheckpointError
-from .gguf_file import is_gguf_path
+from .gguf_file import GGUFModel, is_gguf_path
 from .weights import Shape
 
 BORROWED_FROM_TARGET = ("embed_tokens.weight", "lm_head.weight")
@@ -107,6 +107,16 @@ def check_draft_tensors(cfg: DraftConfig, stored: dict[str, TensorInfo]) -> None
         more = f" (and {len(extras) - 3} more)" if len(extras) > 3 else ""
         raise CheckpointError(f"unexpected tensor {', '.join(repr(n) for n in extras[:3])}{more}: not part of a "
                               "DFlash 2 draft with this config.json (a layout this loader does not understand)")
+
+
+def draft_config(path: str | Path | None, target_cfg: TargetConfig, k: int | None = None) -> DraftConfig:
+    """The draft's validated config alone (fitted to ``target_cfg``): a folder's ``config.json``, or a ``.gguf``
+    draft's metadata."""
+    if path is not None and is_gguf_path(path):
+        from .gguf_draft import gguf_draft_config  # here: gguf_draft reads this module's shapes
+
+        return gguf_draft_config(GGUFModel(path), target_cfg, k)
+    return load_draft_config(path, target_cfg, k)
 
 
 def load_draft(path: str | Path | None, target_cfg: TargetConfig, k: int | None = None,

@@ -8,6 +8,10 @@ from __future__ import annotations
 import pytest
 
 from dflash2.fast.llm import LLM, SamplingParams
+from dflash2.reference.formats.checkpoint import target_config
+from dflash2.reference.formats.draft_checkpoint import draft_config
+from dflash2.reference.formats.gguf_draft import load_gguf_draft
+from dflash2.reference.formats.gguf_target import load_gguf_target
 from dflash2.reference.runner import ReferenceRunner
 
 from conftest import GOLDEN
@@ -37,3 +41,17 @@ def test_a_gguf_target_reads_its_own_tokenizer_and_stop_ids(sources):
     text = "def add(a, b):"
     assert llm.tokenizer.encode(text) == source.tokenizer.encode(text)
     assert llm.engine.model.stop_token_ids == (497,)  # the file's eos (<|im_end|>), from its metadata
+
+
+def test_configs_alone_and_dummy_weights_from_gguf_metadata():
+    """target_config / draft_config read a GGUF file's metadata as the loaders do (ft bench's floors, a dummy
+    load); --load-format dummy on a .gguf path draws weights at the file's shape."""
+    target = GOLDEN / "tiny-dense-f32.gguf"
+    draft = GOLDEN / "draft-f32.gguf"
+    cfg = target_config(target)
+    assert cfg == load_gguf_target(target)[0]
+    assert draft_config(draft, cfg) == load_gguf_draft(draft, cfg)[0]
+    llm = LLM(str(target), load_format="dummy", speculative_algorithm="dflash",
+              speculative_draft_model_path=str(draft), dtype="float32", device="cpu")
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    assert out.error is None and len(out.token_ids) == 3
