@@ -6,6 +6,10 @@
 Each residual add is fused with the norm that reads its sum (:func:`add_rms_norm`): the mixer's into
 ``rmsnorm_post``, the MLP's into the next layer's ``rmsnorm_in`` (or the final norm), so a stack
 runs :meth:`FastDecoderLayer.forward_deferred`, which hands its last add on to the next layer.
+
+Under tensor parallelism (``tp``, fast/parallel/) the mixer and the MLP each end in a row-parallel
+projection, so their outputs are per-rank partial sums: the layer all-reduces each before its residual
+add (two all-reduces per layer). At tp=1 ``all_reduce`` is the identity and nothing changes.
 """
 
 from __future__ import annotations
@@ -22,14 +26,17 @@ from .moe import FastMoE
 from ..kernels.dense.rms_norm import add_rms_norm
 from ..kernels.quant.quant_linear import dequantize_op
 from ..kernels.quant.quant_matmul import quant_matmul
+from ..parallel.group import TPGroup
 from .params import Params, zero_centred_scale
 from .pools import GDNSlots, PagedKV
 from .step import StepMeta
 
 
 class FastDecoderLayer:
-    def __init__(self, cfg: TargetConfig, params: Params, prefix: str, layer_type: str):
+    def __init__(self, cfg: TargetConfig, params: Params, prefix: str, layer_type: str, tp: TPGroup | None = None):
+        """``cfg``: the rank's config view (``fast/parallel/plan.rank_config``; the full config at tp=1)."""
         self.cfg = cfg
+        self.tp = tp or TPGroup.single()
         self.dtype = params.dtype
         self.layer_type = layer_type
         self.input_scale = zero_centred_scale(params.get(f"{prefix}input_layernorm.weight", torch.float32))
@@ -57,5 +64,6 @@ class FastDecoderLayer:
         """
         eps = self.cfg.rms_norm_eps
         x, h = add_rms_norm(x, pending, self.input_scale, eps, self.dtype)
-        x, h = add_rms_norm(x, self.mixer.forward(h, meta, state), self.post_scale, eps, self.dtype)
-        return x, self.mlp.forward(h)
+        mixed = self.tp.all_reduce(self.mixer.forward(h, meta, state))  # row-parallel partials summed (tp > 1)
+        x, h = add_rms_norm(x, mixed, self.post_scale, eps, self.dtype)
+        return x, self.tp.all_reduce(self.mlp.forward(h))

@@ -7,6 +7,13 @@ Projections that read the same input are fused into one matrix by the modules (`
 A GGUF target's quantized matrices arrive as :class:`QuantParam` (``gguf_quantized.py``): :meth:`Params.weight`
 and :meth:`Params.fused` keep them quantized (the modules multiply through ``linear.linear``), :meth:`Params.get`
 dequantizes (an embedding's row lookup, a weight a kernel needs dense).
+
+Tensor parallelism (``tp`` of size > 1, fast/parallel/): the checkpoint holds the full tensors; :meth:`Params.raw`
+checks each against its **full** canonical shape (a bad checkpoint is refused as at tp=1), then serves the rank's
+part of it (``fast/parallel/plan.py``: the head, intermediate or vocabulary rows or columns of this rank), and
+``cfg`` and :meth:`Params.shape` are the rank's (``plan.rank_config``). Everything above ``raw`` is unchanged,
+so the modules build the rank's fused matrices as the concatenation of its parts. GGUF-quantized tensors are
+refused under tp for now: cutting a quantized matrix's input columns needs the cut to fall on its blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from dflash2.reference.formats.weights import expected_target_shapes
 
 from ..kernels.quant.layout import QuantWeight
 from ..kernels.quant.quant_linear import dequantize
+from ..parallel.group import TPGroup
+from ..parallel.plan import rank_config, shard_spec, shard_tensor
 from .gguf_quantized import QuantParam
 
 
@@ -29,12 +38,15 @@ class Params:
     """Shape-checked access to canonical tensors, converted to the model's dtype and device."""
 
     def __init__(self, cfg: TargetConfig, weights: Mapping[str, Tensor], dtype: torch.dtype,
-                 device: torch.device | str):
-        self.cfg = cfg
+                 device: torch.device | str, tp: TPGroup | None = None):
+        self.tp = tp or TPGroup.single()
+        self.full_cfg = cfg
+        self.cfg = rank_config(cfg, self.tp.size)  # the rank's view (cfg itself at tp=1)
         self.weights = weights
         self.dtype = dtype
         self.device = torch.device(device)
-        self.shapes = expected_target_shapes(cfg)
+        self.shapes = expected_target_shapes(cfg)  # the checkpoint's (full) shapes, checked by raw
+        self.local_shapes = expected_target_shapes(self.cfg) if self.tp.parallel else self.shapes
         # converted tensors by (name, dtype); a tied head shares its embedding's entry, so it is converted once.
         # Keyed by name, not id(tensor): a lazy mapping (dummy weights) draws a new tensor per read, and a
         # freed tensor's id can be reused by the next one.
@@ -49,18 +61,23 @@ class Params:
         tensor = self.weights[name]
         if tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(f"tensor {name!r} has shape {list(tensor.shape)}: expected {list(shape)}")
-        return tensor
+        if not self.tp.parallel:
+            return tensor
+        if isinstance(tensor, QuantParam):
+            raise CheckpointError(f"tensor {name!r} is GGUF-quantized: tensor parallelism (tp={self.tp.size}) "
+                                  "needs dense weights for now")
+        return shard_tensor(tensor, shard_spec(name, self.full_cfg), self.tp.rank, self.tp.size)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """The canonical shape of ``name`` (read without touching the tensor)."""
-        return tuple(self.shapes[name])
+        """The canonical shape of ``name`` (read without touching the tensor); the rank's part of it under tp."""
+        return tuple(self.local_shapes[name])
 
     def into(self, name: str, out: Tensor) -> None:
         """Write ``name``'s values into ``out`` (a model's own final buffer, e.g. a slice of a fused tensor), with
         no device copy of the whole tensor beside it: lazy dummy weights draw straight into it (``fill``), a
         loaded checkpoint's host tensor is copied in."""
         fill = getattr(self.weights, "fill", None)
-        if fill is None:
+        if fill is None or self.tp.parallel:  # a lazy mapping's fill draws whole tensors: read the part through raw
             out.copy_(self.raw(name).detach())
             return
         if name not in self.shapes:

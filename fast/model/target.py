@@ -14,6 +14,13 @@ context features).
 Compute runs in ``dtype`` (residual stream, matmuls, caches); norms, RoPE, softmax, the router,
 the GDN conv and recurrence run in fp32; logits come out fp32.
 
+Tensor parallelism (``tp``, a :class:`~dflash2.fast.parallel.TPGroup` of size > 1; fast/parallel/): every rank
+builds its own FastTarget from the full canonical tensors, cut for its rank (:class:`Params` with ``tp``), with
+the rank's heads and intermediate sizes (``local_cfg``) and its cache pools built from ``local_cfg``
+(its KV heads, its GDN heads). Each rank runs the same batch: the embedding is vocabulary-parallel (a masked
+lookup, all-reduced), each layer all-reduces its mixer's and its MLP's row-parallel outputs, and the LM head
+computes the rank's vocabulary slice, all-gathered, so every rank returns the full logits, hidden and taps.
+
 A CUDA-graph capture of a step is cut into graphs between layers (``capture.layer_cuts``), so the
 host launches the next while the GPU runs the last (fast/model/capture.py); eagerly it changes nothing.
 """
@@ -33,6 +40,8 @@ from .capture import graph_cut, layer_cuts
 from .layer import FastDecoderLayer
 from ..kernels.attention.rope import inv_freq
 from ..kernels.dense.rms_norm import add_rms_norm
+from ..parallel.group import TPGroup
+from ..parallel.vocab import parallel_embed, parallel_lm_head
 from .linear import linear
 from .params import Params, zero_centred_scale
 from .pools import CachePools
@@ -51,19 +60,23 @@ class FastTarget:
     """The fast target, built from canonical tensors (``dflash2.reference.formats.checkpoint.load_target``)."""
 
     def __init__(self, cfg: TargetConfig, weights: Mapping[str, Tensor], dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", tap_layers: tuple[int, ...] = ()):
+                 device: torch.device | str = "cpu", tap_layers: tuple[int, ...] = (), tp: TPGroup | None = None):
         for layer in tap_layers:
             if not 0 <= layer < cfg.num_hidden_layers:
                 raise ValueError(f"tap layer {layer}: expected a layer index in [0, {cfg.num_hidden_layers})")
-        params = Params(cfg, weights, dtype, device)
-        self.cfg, self.dtype, self.device = cfg, dtype, params.device
+        self.tp = tp or TPGroup.single()
+        params = Params(cfg, weights, dtype, device, self.tp)  # serves the rank's parts (tp > 1)
+        # cfg: the model's (hidden size, vocabulary, layers); local_cfg: this rank's heads and widths, which the
+        # layers and the cache pools use (the same object at tp=1)
+        self.cfg, self.local_cfg, self.dtype, self.device = cfg, params.cfg, dtype, params.device
         self.tap_layers = tuple(tap_layers)
         self.last_tap = max(self.tap_layers, default=-1)  # where forward's on_taps fires
-        self.embed = params.get("embed_tokens.weight")  # [V, C]
-        self.lm_head = params.weight("lm_head.weight")  # [V, C] (the embedding itself when tied; a GGUF's kept quantized)
+        self.embed = params.get("embed_tokens.weight")  # [V/tp, C]
+        self.lm_head = params.weight("lm_head.weight")  # [V/tp, C] (the embedding when tied; a GGUF's kept quantized)
         self.final_scale = zero_centred_scale(params.get("norm.weight", torch.float32))  # [C]
         inv_freq(cfg.rotary_dim, cfg.rope_theta, self.device)  # every step's RoPE reads it: made here, not in a capture
-        self.layers = [FastDecoderLayer(cfg, params, f"layers.{i}.", kind) for i, kind in enumerate(cfg.layer_types)]
+        self.layers = [FastDecoderLayer(self.local_cfg, params, f"layers.{i}.", kind, self.tp)
+                       for i, kind in enumerate(cfg.layer_types)]
 
     def capturable(self) -> bool:
         """Whether a step of this target can be captured in a CUDA graph: on CUDA, and every kernel op its layers
@@ -82,7 +95,8 @@ class FastTarget:
             raise ValueError("on_taps given to a target with no tap_layers: it would never be called")
         meta = StepMeta.build(batch, pools)
         hidden_size = self.cfg.hidden_size
-        x = self.embed[batch.token_ids]  # [N, C]
+        tp = self.tp
+        x = parallel_embed(self.embed, batch.token_ids, tp) if tp.parallel else self.embed[batch.token_ids]  # [N, C]
         pending = None  # the last layer's MLP output, added to x by the next norm (layer.forward_deferred)
         taps = x.new_empty(x.shape[0], len(self.tap_layers) * hidden_size)
         cuts = layer_cuts(len(self.layers))
@@ -99,5 +113,8 @@ class FastTarget:
                 if on_taps is not None and i == self.last_tap:
                     on_taps(taps)
         _, hidden = add_rms_norm(x, pending, self.final_scale, self.cfg.rms_norm_eps, self.dtype)  # [N, C]
-        logits = linear(hidden[batch.logits_rows], self.lm_head).float()  # [M, V]
+        if tp.parallel:
+            logits = parallel_lm_head(hidden[batch.logits_rows], self.lm_head, tp)  # [M, V], every rank
+        else:
+            logits = linear(hidden[batch.logits_rows], self.lm_head).float()  # [M, V]
         return FastOutput(logits=logits, hidden=hidden, taps=taps, meta=meta)
