@@ -21,7 +21,7 @@ copy, counting bytes read plus bytes written), so a slow or shared card lowers i
 The floor counts no activation traffic and no arithmetic, so it is a bound no engine reaches.
 
 Quantized weights (``ft bench --load-format dummy --dummy-weight-type T``): a matrix the engine keeps as GGUF
-blocks of T (``fast/model/dummy_quantized.quantizable``) counts its blocks' bytes, ``numel / block_elems *
+blocks of T (``fast/weights/dummy_quantized.quantizable``) counts its blocks' bytes, ``numel / block_elems *
 block_bytes`` (4.5 bits a weight at Q4_K, 3.06 at IQ3_XXS), everything else its dtype's (:func:`stored_bytes`).
 
 A prefill is compute bound: its floor is ``prefill_flops / matmul rate``, the rate measured in the same run
@@ -38,7 +38,7 @@ from dflash2.reference.formats.draft_checkpoint import expected_draft_shapes
 from dflash2.reference.formats.draft_config import DraftConfig
 from dflash2.reference.formats.weights import expected_target_shapes
 from dflash2.fast.kernels.quant.layout import Q, block_shape
-from dflash2.fast.model.dummy_quantized import quantizable
+from dflash2.fast.weights.dummy_quantized import quantizable
 
 EXPERT_SUFFIXES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 

@@ -8,7 +8,7 @@
 - The top packages (``reference``, ``fast``, ``bench``, ``train``, ``models``, ``cli``) import each other
   without a circle; ``cli`` sits above all of them and is the one place ``--engine reference`` reaches the
   executable spec's runner.
-- Inside ``fast/`` the arrows point one way: ``kernels`` <- ``parallel`` <- ``model`` <- ``speculative`` <-
+- Inside ``fast/`` the arrows point one way: ``kernels`` <- ``weights`` <- ``parallel`` <- ``model`` <- ``speculative`` <-
   ``engine`` <- ``serve`` (and ``llm.py``, ``compare.py`` on top); ``kernels/`` imports nothing above it. Imports under
   ``if TYPE_CHECKING:`` are annotations, not dependencies, and are left out.
 - No folder of ``fast/`` holds more than 16 modules; ``fast/`` reads no environment variable (every switch is
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_REFERENCE_PACKAGES = {"formats", "tiny", "request"}
 PACKAGES = ("reference", "fast", "bench", "train", "models", "cli")  # top folders installed as dflash2.<name>
 # each may import only those before it
-FAST_LAYERS = ("kernels", "parallel", "model", "speculative", "engine", "serve")
+FAST_LAYERS = ("kernels", "weights", "parallel", "model", "speculative", "engine", "serve")
 MAX_MODULES_PER_FOLDER = 16
 
 

@@ -54,7 +54,7 @@ class EngineConfig:
     seed: int = 0  # seeds torch's global generator at startup; every sampling draw is keyed by the request's seed
     load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights (timing only)
     # with load_format dummy: the target's matrices as random GGUF blocks of this type (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS,
-    # IQ3_XXS), kept quantized as a GGUF file's are (fast/model/dummy_quantized.py); None: dense in the model dtype
+    # IQ3_XXS), kept quantized as a GGUF file's are (fast/weights/dummy_quantized.py); None: dense in the model dtype
     dummy_weight_type: str | None = None
     enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying captured CUDA graphs
     # the speed switches below are all on by default; each off gives the same tokens (A/B timing, debugging)

@@ -24,8 +24,8 @@ from dflash2.reference.tiny.dummy import DUMMY_LOAD_FORMAT, dummy_draft_weights,
 
 from ..kernels.common.pdl import LaunchSettings, configure
 from ..model.draft import FastDraft
-from ..model.dummy_quantized import DummyQuantizedWeights
-from ..model.gguf_quantized import load_gguf_target_quantized
+from ..weights.dummy_quantized import DummyQuantizedWeights
+from ..weights.gguf_quantized import load_gguf_target_quantized
 from ..model.mtp import FastMTP
 from ..model.pools import CachePools, gdn_bytes_per_slot, kv_bytes_per_token, verify_bytes_per_seq
 from ..model.target import FastTarget
@@ -72,7 +72,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         if cfg.dummy_weight_type is not None:  # the matrices as random GGUF blocks, kept quantized
             weights = DummyQuantizedWeights(weights, weights.shapes, cfg.dummy_weight_type, cfg.seed, device,
                                             tied=target_cfg.tie_word_embeddings)
-    elif is_gguf_path(cfg.model_path):  # quantized matrices stay quantized (fast/model/gguf_quantized.py)
+    elif is_gguf_path(cfg.model_path):  # quantized matrices stay quantized (fast/weights/gguf_quantized.py)
         target_cfg, weights = load_gguf_target_quantized(cfg.model_path)
     else:
         target_cfg, weights = load_target(cfg.model_path, dtype=None)  # as stored: the model casts per tensor

@@ -3,7 +3,7 @@
 A module holds each projection weight as what :class:`Params` gave it:
 
 - a dense ``Tensor`` ``[R, K]`` in the model dtype: ``x @ w.T`` (cuBLAS on CUDA);
-- a :class:`QuantParam` (a GGUF matrix kept as its blocks, ``fast/model/gguf_quantized.py``):
+- a :class:`QuantParam` (a GGUF matrix kept as its blocks, ``fast/weights/gguf_quantized.py``):
   ``quant_linear`` (``fast/kernels/quant``: the fused dequant-matmul for decode and verify rows, dequantize
   then a dense GEMM for prefill chunks), its input first put in the file's column order where the converter
   permuted columns (``input_perm``);
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.quant.quant_linear import quant_linear
-from .gguf_quantized import QuantParam
+from ..weights.gguf_quantized import QuantParam
 
 Weight = Tensor | QuantParam | tuple
 

@@ -27,7 +27,7 @@ from ..kernels.moe.moe import moe_experts
 from ..kernels.quant.quant_linear import dequantize, dequantize_op
 from ..kernels.quant.quant_matmul import quant_matmul_experts
 from ..kernels.quant.layout import QuantWeight
-from .gguf_quantized import QuantParam
+from ..weights.gguf_quantized import QuantParam
 
 
 class QuantizedExperts:

@@ -4,7 +4,7 @@ Every tensor is checked against the canonical shape table before use, so a fast 
 checkpoint exactly where the reference would (a :class:`CheckpointError` naming the tensor).
 Projections that read the same input are fused into one matrix by the modules (``cat`` on rows).
 
-A GGUF target's quantized matrices arrive as :class:`QuantParam` (``gguf_quantized.py``): :meth:`Params.weight`
+A GGUF target's quantized matrices arrive as :class:`QuantParam` (``fast/weights/gguf_quantized.py``): :meth:`Params.weight`
 and :meth:`Params.fused` keep them quantized (the modules multiply through ``linear.linear``), :meth:`Params.get`
 dequantizes (an embedding's row lookup, a weight a kernel needs dense).
 
@@ -31,7 +31,7 @@ from ..kernels.quant.layout import QuantWeight
 from ..kernels.quant.quant_linear import dequantize
 from ..parallel.group import TPGroup
 from ..parallel.plan import rank_config, shard_spec, shard_tensor
-from .gguf_quantized import QuantParam
+from ..weights.gguf_quantized import QuantParam
 
 
 class Params:
@@ -103,7 +103,7 @@ class Params:
     @property
     def quantized(self) -> bool:
         """Whether any tensor is kept quantized (a GGUF target's; a lazy mapping, dummy weights, is not read)."""
-        if getattr(self.weights, "quantized", False):  # dummy quantized weights say so (dummy_quantized.py)
+        if getattr(self.weights, "quantized", False):  # dummy quantized weights say so (fast/weights/dummy_quantized.py)
             return True
         return isinstance(self.weights, dict) and any(isinstance(w, QuantParam) for w in self.weights.values())
 

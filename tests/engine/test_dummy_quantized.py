@@ -1,5 +1,5 @@
 """``--load-format dummy --dummy-weight-type T``: a quantized target at a config's shape with no file
-(fast/model/dummy_quantized.py), and its refusals."""
+(fast/weights/dummy_quantized.py), and its refusals."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from dflash2.fast.engine.config import DUMMY_WEIGHT_TYPES, EngineConfig
 from dflash2.fast.kernels.quant.layout import Q
 from dflash2.fast.llm import LLM, SamplingParams
-from dflash2.fast.model.dummy_quantized import quantizable
-from dflash2.fast.model.gguf_quantized import QuantParam
+from dflash2.fast.weights.dummy_quantized import quantizable
+from dflash2.fast.weights.gguf_quantized import QuantParam
 from dflash2.reference.formats.errors import ConfigError
 from dflash2.reference.tiny.target import write_tiny_target
 

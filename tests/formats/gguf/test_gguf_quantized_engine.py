@@ -1,4 +1,4 @@
-"""The fast engine keeps a GGUF target's quantized matrices as their blocks (fast/model/gguf_quantized.py).
+"""The fast engine keeps a GGUF target's quantized matrices as their blocks (fast/weights/gguf_quantized.py).
 
 - Loading: on llama.cpp's quantized goldens (golden/llama), every matrix stored as a type the kernels decode is a
   QuantParam, and its dequantization (its input columns put back in canonical order) equals the reference
@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,20 +21,19 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
-from conftest import GOLDEN
 from dflash2.fast.kernels.common.dispatch import forced_gpu, forced_torch
 from dflash2.fast.kernels.common.triton_compat import HAS_TRITON
 from dflash2.fast.kernels.quant.dequant_torch import dequantize_torch
 from dflash2.fast.kernels.quant.layout import QUANT_TYPES, QuantWeight
 from dflash2.fast.llm import LLM, SamplingParams
-from dflash2.fast.model.gguf_quantized import QuantParam, load_gguf_target_quantized, quant_param
+from dflash2.fast.weights.gguf_quantized import QuantParam, load_gguf_target_quantized, quant_param
 from dflash2.fast.model.linear import linear
 from dflash2.reference.formats.gguf_file import GGUFModel
 from dflash2.reference.formats.gguf_target import load_gguf_target, plan_gguf_target, value_heads_grouped
 from dflash2.reference.tiny.target import PRESETS, tiny_config_json
 from dflash2.reference.formats.config import parse_target_config
 
-LLAMA = GOLDEN / "llama"
+LLAMA = Path(__file__).parent / "golden" / "llama"  # (not conftest's GOLDEN: another conftest may be the one imported)
 FILES = sorted(p.name for p in LLAMA.glob("*.gguf"))
 
 
