@@ -5,6 +5,9 @@
     GET  /v1/models             the served model
     GET  /health                200 while the engine thread runs, else 503
     GET  /metrics               Prometheus text (``metrics.py``)
+    GET  /server_info           the served model's name and the engine's limits, and
+    GET  /model_info            the model's type: what a router (``sglang-router``) reads when a worker
+                                registers, so it lists and routes the model by its served name
 
 A handler validates the body (``protocol.py``; any failure a 4xx with the OpenAI error body, never
 a 500), builds the prompt ids (chat template and encoding run on a worker thread), makes one engine
@@ -332,6 +335,21 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/server_info")
+    async def server_info():
+        # sglang-router's worker discovery reads served_model_name (its model id for the worker); the rest is
+        # what an operator wants beside it. No local paths: this route is open like /health and /metrics.
+        cfg = engine.config
+        return {"served_model_name": settings.served_model_name, "version": app.version, "engine": "dflash2",
+                "max_running_requests": cfg.max_running_req, "max_total_tokens": engine.model.memory.kv_tokens,
+                "max_model_len": engine.max_model_len, "speculative_algorithm": cfg.speculative_algorithm,
+                "speculative_num_steps": engine.model.k, "prefix_caching": engine.prefix_cache is not None}
+
+    @app.get("/model_info")
+    async def model_info():
+        return {"model_id": settings.served_model_name, "model_type": engine.model.target_cfg.model_type,
+                "is_generation": True, "has_tokenizer": engine.tokenizer is not None}
 
     @app.get("/v1/models", response_model=p.ModelList)
     async def models():
