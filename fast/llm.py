@@ -57,6 +57,16 @@ class LLM:
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (tensor_parallel_size > 1; nothing at 1). Idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def k(self) -> int | None:
         return self.engine.k

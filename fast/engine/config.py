@@ -72,6 +72,9 @@ class EngineConfig:
     prefix_caching: bool = True
     snapshot_interval: int | None = None
     prefix_snapshots: int | None = None  # snapshot slots (GDN state + the proposer's); None: up to 4 per request slot
+    # the target sharded over this many processes (engine/tp/workers.py: this one is rank 0, the others
+    # spawned; gloo on the CPU, NCCL on CUDA with rank r on cuda:r); > 1: plain decoding only, eager, no prefix cache
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):
@@ -132,6 +135,17 @@ class EngineConfig:
         expect(self.prefix_snapshots is None or (is_int(self.prefix_snapshots) and self.prefix_snapshots >= 1),
                ConfigError, "prefix_snapshots", self.prefix_snapshots,
                "None (automatic) or an integer >= 1 (turn the cache off with prefix_caching=False)")
+        expect(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, ConfigError,
+               "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1")
+        if self.tensor_parallel_size > 1:
+            expect(not self.speculative, ConfigError, "tensor_parallel_size", self.tensor_parallel_size,
+                   f"1 with speculative_algorithm {self.speculative_algorithm!r} (tensor parallelism runs plain "
+                   "decoding only for now)")
+            expect(self.dummy_weight_type is None, ConfigError, "tensor_parallel_size", self.tensor_parallel_size,
+                   f"1 with dummy_weight_type {self.dummy_weight_type!r} (GGUF-quantized matrices are not cut "
+                   "across ranks)")
+            expect(self.device in (AUTO, "cpu", "cuda"), ConfigError, "device", self.device,
+                   "'auto', 'cpu' or 'cuda' with tensor_parallel_size > 1 (rank r runs on cuda:r)")
         for name in ("enforce_eager", "prefix_caching", *SPEED_SWITCHES):
             expect(isinstance(getattr(self, name), bool), ConfigError, name, getattr(self, name), "a bool")
 
@@ -175,7 +189,7 @@ def _field(name: str):
 # flags of ``ft generate`` that fill EngineConfig fields (model_path is --model, the spec flags are shared)
 ENGINE_FLAGS = ("dtype", "device", "max_running_req", "max_num_batched_tokens", "page_size", "memory_ratio",
                 "cpu_cache_bytes", "max_model_len", "load_format", "dummy_weight_type", "speculative_depth", "enforce_eager", *SPEED_SWITCHES,
-                "prefix_caching", "snapshot_interval", "prefix_snapshots")
+                "prefix_caching", "snapshot_interval", "prefix_snapshots", "tensor_parallel_size")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -194,7 +208,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 parser.add_argument("--disable-overlap-schedule", dest=name, action="store_false",
                                     help="fast engine: the same as --no-overlap-schedule")
             continue
-        aliases = ["--gpu-memory-utilization"] if name == "memory_ratio" else []  # vLLM's name for it
+        # vLLM's names for them
+        aliases = {"memory_ratio": ["--gpu-memory-utilization"], "tensor_parallel_size": ["--tp"]}.get(name, [])
         parser.add_argument(flag, *aliases, type=types.get(name, int), default=default, choices=choices.get(name),
                             help=f"fast engine (default: {default})")
 

@@ -9,6 +9,7 @@ A batch is built as whole host tensors (no loop over rows): sequence b runs ``le
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Sequence
 
 import torch
@@ -26,6 +27,9 @@ class EagerStep:
 
     def __init__(self, target: FastTarget, pools: CachePools, *, page_size: int, device: torch.device):
         self.target, self.pools, self.page_size, self.device = target, pools, page_size, device
+        # tensor parallelism: called with each batch before the target runs on it (TPWorkers.forward sends it to
+        # the other ranks, which run the same forward on their shards); None at tp=1
+        self.before_forward: Callable[[ForwardBatch], None] | None = None
 
     def tensor(self, values, dtype=torch.long) -> Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -68,4 +72,6 @@ class EagerStep:
         """:meth:`batch`, then the target over it. Returns (batch, output)."""
         batch = self.batch(reqs, starts, lengths, token_ids, is_verify=is_verify, logits_rows=logits_rows,
                            block_tables=block_tables)
+        if self.before_forward is not None:
+            self.before_forward(batch)
         return batch, self.target.forward(batch, self.pools)

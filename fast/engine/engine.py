@@ -44,6 +44,7 @@ import functools
 import itertools
 import logging
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -62,7 +63,8 @@ from .logprobs import TokenLogprob
 from .prefix_cache import PrefixCache
 from .runner import ModelRunner
 from .scheduler import PrefillPlan, Req, ReqStatus, Restore, Scheduler, pages_for
-from .startup import LoadedModel, load_model
+from .startup import LoadedModel, check_tp_target, load_model
+from .tp.workers import start_workers
 
 logger = logging.getLogger("dflash2.fast.engine")
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
@@ -141,6 +143,16 @@ class Engine:
     """One model on one device (see ``EngineConfig``); ``trace`` keeps every verify step's record."""
 
     def __init__(self, config: EngineConfig, *, trace: bool = False, model: LoadedModel | None = None):
+        self.workers = None  # tensor_parallel_size > 1: ranks 1.. (tp/workers.py's TPWorkers); this process is rank 0
+        if model is None and config.tensor_parallel_size > 1:
+            check_tp_target(config)  # refusals before any process starts
+            self.workers = start_workers(config.resolved())
+            weakref.finalize(self, self.workers.close)  # a dropped engine stops its workers too
+            try:
+                model = load_model(config, tp=self.workers.tp)
+            except BaseException:
+                self.workers.close()
+                raise
         self.model = model if model is not None else load_model(config)
         cfg = self.model.config
         self.config = cfg
@@ -156,6 +168,8 @@ class Engine:
         self.runner = ModelRunner(self.model.target, self.model.pools, spec, page_size=cfg.page_size,
                                   device=self.model.pools.device, trace=trace, graphs=graphs,
                                   propose_ahead=cfg.propose_ahead, overlap=cfg.overlap_schedule)
+        if self.workers is not None:  # every eager forward is broadcast to the workers first
+            self.runner.eager.before_forward = self.workers.forward
         # how deep each speculative step drafts (fast/speculative/depth.py); None for plain decoding
         self.depth = depth_policy(cfg.speculative_depth, self.model.k) if self.model.k else None
         # an adaptive depth runs steps of no drafts (k = 0) as a policy choice, so they replay a graph too
@@ -170,6 +184,11 @@ class Engine:
         self._collecting = False  # inside _collect: a step is in flight while the next one is consented to
         self._live: dict[int, Req] = {}  # requests added and not yet finished, by id
         self._top_logprobs: dict[int, int] = {}  # request id -> alternatives per token, for those that asked
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also run when the engine is collected)."""
+        if self.workers is not None:
+            self.workers.close()
 
     @property
     def k(self) -> int | None:

@@ -5,14 +5,20 @@ use the same loaders and validators (``reference/formats/config.py``, ``checkpoi
 ``draft_config.py``, ``draft_checkpoint.py``, ``tokenizer.py``), in the reference runner's order:
 the speculative flags (``EngineConfig``), the target checkpoint, the MTP head or the draft, the
 tokenizer. Then the caches are sized (``memory.py``) and allocated once.
+
+Tensor-parallel ranks (``EngineConfig.tensor_parallel_size`` > 1): :func:`load_model` builds one rank's shard and
+its pools (``tp``); ``engine/tp/workers.py`` starts the other ranks and says what is sent to them, and when.
+Under tp > 1 for now: plain decoding only, every step eager, no prefix caching, no GGUF-quantized target
+(:func:`tp_settings`, :func:`check_tp_target`, ``EngineConfig``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from dflash2.reference.formats.checkpoint import load_target, target_config
 from dflash2.reference.formats.gguf_file import is_gguf_path
@@ -29,6 +35,8 @@ from ..weights.gguf_quantized import load_gguf_target_quantized
 from ..model.mtp import FastMTP
 from ..model.pools import CachePools, gdn_bytes_per_slot, kv_bytes_per_token, verify_bytes_per_seq
 from ..model.target import FastTarget
+from ..parallel.group import TPGroup
+from ..parallel.plan import rank_config
 from ..speculative.dflash import FastDFlashProposer
 from ..speculative.mtp import FastMTPProposer
 from .config import EngineConfig
@@ -57,11 +65,17 @@ class LoadedModel:
     load_bytes: tuple[int, int] | None = None  # CUDA: (the weights' bytes, the load's peak bytes) on the device
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
-    cfg = config.resolved()
+def load_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
+    """``tp`` (tensor_parallel_size > 1): this rank's group; the target is this rank's shard (on cuda:rank under
+    CUDA), the caches are sized per rank from its ``local_cfg`` and the page count is the minimum over the ranks."""
+    tp = tp or TPGroup.single()
+    cfg = tp_settings(config.resolved())
     torch.manual_seed(cfg.seed)
     configure(LaunchSettings(pdl=cfg.pdl, l2_prefetch=cfg.l2_prefetch))  # before any kernel is launched
     device, dtype = torch.device(cfg.device), cfg.torch_dtype
+    if tp.parallel and device.type == "cuda":
+        device = torch.device("cuda", tp.rank)
+        cfg = replace(cfg, device=str(device))
     if device.type == "cuda":  # the load's peak over what stays (the weights): reported below
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
@@ -97,7 +111,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     stop_token_ids = eos_token_ids(cfg.model_path, tokenizer)
 
     tap_layers = draft_cfg.target_layer_ids if draft_cfg is not None else ()
-    target = FastTarget(target_cfg, weights, dtype, device, tap_layers)
+    target = FastTarget(target_cfg, weights, dtype, device, tap_layers, tp=tp)
+    local_cfg = target.local_cfg  # this rank's heads and widths (target_cfg itself at tp=1)
     draft = None
     if draft_cfg is not None:
         draft = FastDraft(draft_cfg, draft_weights, target.embed, target.lm_head, dtype, device)
@@ -119,7 +134,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
             target, max_num_batched_tokens=cfg.max_num_batched_tokens, max_step_rows=num_slots * (k + 1),
             graph_pools=graph_pools, page_size=cfg.page_size, max_verify_rows=k + 1, mtp=use_mtp)
     budget = cache_budget_bytes(cfg, device) - activations - graph_pools_bytes
-    state_bytes = gdn_bytes_per_slot(target_cfg, dtype) + verify_bytes_per_seq(target_cfg, dtype, k + 1)
+    state_bytes = gdn_bytes_per_slot(local_cfg, dtype) + verify_bytes_per_seq(local_cfg, dtype, k + 1)
     # on CUDA the budget is everything within memory_ratio, so the draft's temporaries come out of it;
     # on CPU cpu_cache_bytes budgets the caches alone
     workspace = 0 if draft_cfg is None or device.type != "cuda" else dflash_workspace_bytes(
@@ -127,7 +142,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     num_snapshots = snapshot_bytes = num_checkpoints = 0
     if cfg.prefix_caching:  # a snapshot slot: the GDN state and what the proposer saves (window or pending row)
         saved = window_bytes if draft_cfg is not None else target_cfg.hidden_size * _itemsize(dtype) if use_mtp else 0
-        snapshot_bytes = gdn_bytes_per_slot(target_cfg, dtype) + saved
+        snapshot_bytes = gdn_bytes_per_slot(local_cfg, dtype) + saved
         free = budget - num_slots * (state_bytes + ring_bytes + window_bytes) - workspace
         num_snapshots = snapshot_count(cfg.prefix_snapshots, free_bytes=free, snapshot_bytes=snapshot_bytes,
                                        num_slots=num_slots)
@@ -138,14 +153,18 @@ def load_model(config: EngineConfig) -> LoadedModel:
             num_checkpoints = num_slots
     plan = plan_memory(
         budget, page_size=cfg.page_size, num_slots=num_slots, max_model_len=max_model_len,
-        kv_bytes_per_token=kv_bytes_per_token(target_cfg, dtype, use_mtp), state_bytes_per_slot=state_bytes,
+        kv_bytes_per_token=kv_bytes_per_token(local_cfg, dtype, use_mtp), state_bytes_per_slot=state_bytes,
         draft_bytes_per_slot=ring_bytes + window_bytes, workspace_bytes=workspace,
         budget_field="memory_ratio" if device.type == "cuda" else "cpu_cache_bytes",
         num_snapshots=num_snapshots + num_checkpoints, snapshot_bytes=snapshot_bytes,
         activation_bytes=activations, graph_pool_bytes=graph_pools_bytes,
         device_total_bytes=torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
+    if tp.parallel:  # every rank holds the pages rank 0's scheduler hands out: the fewest any rank fits
+        pages = torch.tensor([plan.num_pages], device=device)
+        dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=tp.group)
+        plan = replace(plan, num_pages=int(pages.item()))
     log_plan(plan, draft_ring_bytes=ring_bytes, draft_window_bytes=window_bytes)
-    pools = CachePools(target_cfg, plan.num_pages, cfg.page_size, num_slots, k + 1, dtype, device,
+    pools = CachePools(local_cfg, plan.num_pages, cfg.page_size, num_slots, k + 1, dtype, device,
                        mtp=use_mtp)
     proposer = None
     if draft is not None:
@@ -156,6 +175,30 @@ def load_model(config: EngineConfig) -> LoadedModel:
     snapshots = StateSnapshots(pools, proposer, num_snapshots + num_checkpoints) if num_snapshots else None
     return LoadedModel(cfg, target_cfg, target, pools, proposer, k, max_model_len, plan, tokenizer,
                        stop_token_ids, snapshots, num_checkpoints, load)
+
+
+def tp_settings(cfg: EngineConfig) -> EngineConfig:
+    """Under tensor_parallel_size > 1: every step eager and no prefix cache (module docstring), logged."""
+    if cfg.tensor_parallel_size == 1:
+        return cfg
+    if not cfg.enforce_eager and cfg.device.startswith("cuda"):
+        logger.info("tensor_parallel_size=%d: enforce_eager (CUDA graphs per rank are not captured yet)",
+                    cfg.tensor_parallel_size)
+    if cfg.prefix_caching:
+        logger.info("tensor_parallel_size=%d: prefix caching off (its snapshot copies are not sent to the ranks yet)",
+                    cfg.tensor_parallel_size)
+    return replace(cfg, enforce_eager=True, prefix_caching=False)
+
+
+def check_tp_target(cfg: EngineConfig) -> None:
+    """Before any rank is spawned: a target tensor parallelism can cut into ``tensor_parallel_size`` ranks (every
+    head count and width divisible: ``rank_config`` names the field), and not a GGUF-quantized file."""
+    if cfg.tensor_parallel_size == 1:
+        return
+    if is_gguf_path(cfg.model_path):
+        raise ConfigError(f"tensor_parallel_size={cfg.tensor_parallel_size}: expected 1 with a GGUF target "
+                          f"({cfg.model_path!r}): its quantized matrices are not cut across ranks yet")
+    rank_config(target_config(cfg.model_path), cfg.tensor_parallel_size)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -1,0 +1,1 @@
+"""The engine's tensor-parallel ranks (``workers.py``)."""
