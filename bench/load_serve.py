@@ -687,12 +687,16 @@ def comparison(levels: list[dict], plain: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def split_serve_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(this script's arguments, those after ``--``, passed to ``ft serve``)."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    serve_args: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, serve_args = argv[:cut], argv[cut + 1:]
+    argv, serve_args = split_serve_args(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--url", default=None, help="a running server on this machine (else: start ft serve with the "
                                                "arguments after --)")

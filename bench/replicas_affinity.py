@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from dflash2.bench.load_serve import http, parse_metrics
+from dflash2.bench.load_serve import http, parse_metrics, split_serve_args
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "serve_replicas.sh"
@@ -351,11 +351,7 @@ def table(results: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    serve_args: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, serve_args = argv[:cut], argv[cut + 1:]
+    argv, serve_args = split_serve_args(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--users", type=int, default=6, help="conversations, all in flight at once (default 6)")
