@@ -531,15 +531,23 @@ class ServerProcess:
 
     def stop(self, timeout: float) -> dict:
         """SIGTERM, then wait for the drain; the exit status and how long it took."""
-        start = time.perf_counter()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self.reader.join(5)
-        return {"exit_status": code, "shutdown_s": time.perf_counter() - start}
+        code, seconds = terminate(self.proc, self.reader, timeout)
+        return {"exit_status": code, "shutdown_s": seconds}
+
+
+def terminate(proc: subprocess.Popen, reader: threading.Thread, timeout: float) -> tuple[int, float]:
+    """SIGTERM a child (unless it has exited), wait up to ``timeout`` for it (then SIGKILL), join its output
+    reader; (exit status, seconds it took)."""
+    start = time.perf_counter()
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    reader.join(5)
+    return code, time.perf_counter() - start
 
 
 # ---- the command -------------------------------------------------------------------------------

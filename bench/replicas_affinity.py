@@ -43,7 +43,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -52,7 +51,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from dflash2.bench.load_serve import http, parse_metrics, split_serve_args
+from dflash2.bench.load_serve import http, parse_metrics, split_serve_args, terminate
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "serve_replicas.sh"
@@ -304,16 +303,8 @@ class Stack:
         self.router = re.search(r"^router: (\S+)", text, re.M).group(1)
 
     def stop(self, timeout: float = 120) -> dict:
-        start = time.perf_counter()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self.reader.join(5)
-        return {"exit_status": code, "shutdown_s": time.perf_counter() - start,
+        code, seconds = terminate(self.proc, self.reader, timeout)
+        return {"exit_status": code, "shutdown_s": seconds,
                 "stopped_line": next((x.strip() for x in self.lines if x.startswith("stopped:")), None)}
 
 

@@ -7,7 +7,8 @@ The router and the routed experts are ops of ``fast/kernels/moe/`` (``route``, `
 twin of the experts groups the (row, choice) pairs by expert and reads the per-expert counts on the host,
 the kernels are sync-free and capturable). On CUDA both run their kernels at every size: a prefill chunk's
 routed experts (more than ``MAX_TRITON_PAIRS`` pairs) the grouped GEMM of ``moe_grouped.py``, the shared
-expert beside them by cuBLAS. Where the shared expert has the routed experts' width, a decode
+expert beside them by cuBLAS. A GGUF target's experts, kept as their blocks, run ``moe_quantized.py``'s forms
+instead (no shared-as-expert layout). Where the shared expert has the routed experts' width, a decode
 or verify step on CUDA runs the whole sublayer as four kernels (:data:`moe_sublayer`, :class:`FastMoE`).
 """
 

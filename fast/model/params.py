@@ -43,6 +43,10 @@ class Params:
         self.full_cfg = cfg
         self.cfg = rank_config(cfg, self.tp.size)  # the rank's view (cfg itself at tp=1)
         self.weights = weights
+        # whether any tensor is kept quantized (a GGUF target's), asked by every layer: found once; dummy quantized
+        # weights (fast/weights/dummy_quantized.py) say so, a lazy mapping is not read through
+        self.quantized = bool(getattr(weights, "quantized", False)) or (
+            isinstance(weights, dict) and any(isinstance(w, QuantParam) for w in weights.values()))
         self.dtype = dtype
         self.device = torch.device(device)
         self.shapes = expected_target_shapes(cfg)  # the checkpoint's (full) shapes, checked by raw
@@ -100,12 +104,6 @@ class Params:
                 self._converted[key] = raw.detach().to(device=self.device, dtype=dtype).contiguous()
         return self._converted[key]
 
-    @property
-    def quantized(self) -> bool:
-        """Whether any tensor is kept quantized (a GGUF target's; a lazy mapping, dummy weights, is not read)."""
-        if getattr(self.weights, "quantized", False):  # dummy quantized weights say so (fast/weights/dummy_quantized.py)
-            return True
-        return isinstance(self.weights, dict) and any(isinstance(w, QuantParam) for w in self.weights.values())
 
     def is_quantized(self, name: str) -> bool:
         return isinstance(self.raw(name), QuantParam)

@@ -29,8 +29,8 @@ from torch import Tensor
 
 from dflash2.reference.formats.config import TargetConfig
 from dflash2.reference.formats.errors import CheckpointError
-from dflash2.reference.formats.gguf_file import GGUFModel, same_ggml_shape
-from dflash2.reference.formats.gguf_target import (gguf_target_config, plan_gguf_target, undo_converter,
+from dflash2.reference.formats.gguf_file import GGUFModel
+from dflash2.reference.formats.gguf_target import (gguf_target_config, plan_gguf_target, read_canonical,
                                                    value_heads_grouped)
 from dflash2.reference.formats.weights import expected_target_shapes
 
@@ -71,13 +71,7 @@ def load_gguf_target_quantized(path: str | Path) -> tuple[TargetConfig, dict[str
         if quant is not None:
             weights[canonical] = quant
             continue
-        stored = [model.tensor(name) for name in names]
-        tensor = undo_converter(cfg, canonical, stored[0] if len(stored) == 1 else torch.cat(stored, dim=1))
-        if not same_ggml_shape(tensor.shape, expected[canonical]):
-            raise CheckpointError(f"{model.path}: tensor {' + '.join(repr(n) for n in names)} (canonical "
-                                  f"{canonical!r}) gives shape {list(tensor.shape)}, expected "
-                                  f"{list(expected[canonical])} from the metadata")
-        weights[canonical] = tensor.reshape(expected[canonical])
+        weights[canonical] = read_canonical(cfg, model, canonical, names, expected[canonical])
     if cfg.tie_word_embeddings:
         weights["lm_head.weight"] = weights["embed_tokens.weight"]
     return cfg, weights

@@ -158,18 +158,23 @@ def load_gguf_target(path: str | Path,
     expected = expected_target_shapes(cfg)
     tensors: dict[str, torch.Tensor] = {}
     for canonical, names in plan_gguf_target(cfg, model).items():
-        stored = [model.tensor(name) for name in names]
-        tensor = undo_converter(cfg, canonical, stored[0] if len(stored) == 1 else torch.cat(stored, dim=1))
-        if same_ggml_shape(tensor.shape, expected[canonical]):
-            tensor = tensor.reshape(expected[canonical])
-        else:
-            raise CheckpointError(f"{model.path}: tensor {' + '.join(repr(n) for n in names)} (canonical "
-                                  f"{canonical!r}) gives shape {list(tensor.shape)}, expected "
-                                  f"{list(expected[canonical])} from the metadata")
-        tensors[canonical] = tensor.to(dtype)
+        tensors[canonical] = read_canonical(cfg, model, canonical, names, expected[canonical]).to(dtype)
     if cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
     return cfg, tensors
+
+
+def read_canonical(cfg: TargetConfig, model: GGUFModel, canonical: str, names: tuple[str, ...],
+                   shape: tuple[int, ...]) -> torch.Tensor:
+    """Canonical tensor ``canonical`` (float32, ``shape``) from the GGUF tensors ``names`` it is read from
+    (``plan_gguf_target``): dequantized, split gate/up halves concatenated per expert, the converter undone."""
+    stored = [model.tensor(name) for name in names]
+    tensor = undo_converter(cfg, canonical, stored[0] if len(stored) == 1 else torch.cat(stored, dim=1))
+    if not same_ggml_shape(tensor.shape, shape):
+        raise CheckpointError(f"{model.path}: tensor {' + '.join(repr(n) for n in names)} (canonical "
+                              f"{canonical!r}) gives shape {list(tensor.shape)}, expected {list(shape)} from the "
+                              "metadata")
+    return tensor.reshape(shape)
 
 
 def plan_gguf_target(cfg: TargetConfig, model: GGUFModel) -> dict[str, tuple[str, ...]]:
