@@ -73,7 +73,7 @@ class EngineConfig:
     snapshot_interval: int | None = None
     prefix_snapshots: int | None = None  # snapshot slots (GDN state + the proposer's); None: up to 4 per request slot
     # the target sharded over this many processes (engine/tp/workers.py: this one is rank 0, the others
-    # spawned; gloo on the CPU, NCCL on CUDA with rank r on cuda:r); > 1: plain decoding only, eager, no prefix cache
+    # spawned; gloo on the CPU, NCCL on CUDA with rank r on cuda:r; the proposer on rank 0); > 1: every step eager
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -138,9 +138,6 @@ class EngineConfig:
         expect(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, ConfigError,
                "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1")
         if self.tensor_parallel_size > 1:
-            expect(not self.speculative, ConfigError, "tensor_parallel_size", self.tensor_parallel_size,
-                   f"1 with speculative_algorithm {self.speculative_algorithm!r} (tensor parallelism runs plain "
-                   "decoding only for now)")
             expect(self.dummy_weight_type is None, ConfigError, "tensor_parallel_size", self.tensor_parallel_size,
                    f"1 with dummy_weight_type {self.dummy_weight_type!r} (GGUF-quantized matrices are not cut "
                    "across ranks)")

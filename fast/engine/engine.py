@@ -49,7 +49,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from dflash2.reference.formats.errors import RequestError, UserInputError
+from dflash2.reference.formats.errors import ConfigError, RequestError, UserInputError
 from dflash2.reference.request.sampling_params import SamplingParams
 from dflash2.reference.request.stopping import Stopper
 from dflash2.reference.request.trace import StepRecord
@@ -64,7 +64,7 @@ from .prefix_cache import PrefixCache
 from .runner import ModelRunner
 from .scheduler import PrefillPlan, Req, ReqStatus, Restore, Scheduler, pages_for
 from .startup import LoadedModel, check_tp_target, load_model
-from .tp.workers import start_workers
+from .tp.workers import MirroredSnapshots, start_workers
 
 logger = logging.getLogger("dflash2.fast.engine")
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
@@ -150,8 +150,12 @@ class Engine:
             weakref.finalize(self, self.workers.close)  # a dropped engine stops its workers too
             try:
                 model = load_model(config, tp=self.workers.tp)
-            except BaseException:
+            except BaseException as e:
+                dead = self.workers.dead()
                 self.workers.close()
+                if dead and not isinstance(e, ConfigError):  # rank 0 saw a broken collective: say whose fault
+                    raise RuntimeError(f"tensor parallelism: {', '.join(dead)} failed at startup (its traceback is "
+                                       "on stderr above)") from e
                 raise
         self.model = model if model is not None else load_model(config)
         cfg = self.model.config
@@ -168,8 +172,12 @@ class Engine:
         self.runner = ModelRunner(self.model.target, self.model.pools, spec, page_size=cfg.page_size,
                                   device=self.model.pools.device, trace=trace, graphs=graphs,
                                   propose_ahead=cfg.propose_ahead, overlap=cfg.overlap_schedule)
-        if self.workers is not None:  # every eager forward is broadcast to the workers first
+        if self.workers is not None:  # the workers mirror rank 0's forwards, commits and snapshot copies
             self.runner.eager.before_forward = self.workers.forward
+            if spec is not None:
+                spec.before_commit = self.workers.commit
+            if self.model.snapshots is not None:
+                self.model.snapshots = MirroredSnapshots(self.model.snapshots, self.workers)
         # how deep each speculative step drafts (fast/speculative/depth.py); None for plain decoding
         self.depth = depth_policy(cfg.speculative_depth, self.model.k) if self.model.k else None
         # an adaptive depth runs steps of no drafts (k = 0) as a policy choice, so they replay a graph too

@@ -7,9 +7,12 @@ the speculative flags (``EngineConfig``), the target checkpoint, the MTP head or
 tokenizer. Then the caches are sized (``memory.py``) and allocated once.
 
 Tensor-parallel ranks (``EngineConfig.tensor_parallel_size`` > 1): :func:`load_model` builds one rank's shard and
-its pools (``tp``); ``engine/tp/workers.py`` starts the other ranks and says what is sent to them, and when.
-Under tp > 1 for now: plain decoding only, every step eager, no prefix caching, no GGUF-quantized target
-(:func:`tp_settings`, :func:`check_tp_target`, ``EngineConfig``).
+its pools (``tp``); ``engine/tp/workers.py`` starts the other ranks and says what is sent to them, and when. The
+proposer runs on rank 0 only and unsharded (vLLM and SGLang shard theirs with the target): a draft step then costs
+its one-GPU time with no collective in it, and the workers need no proposer messages; the price is rank 0's memory
+for a full-vocabulary copy of the embedding and LM head beside its slices (which the draft and the MTP head read)
+and, with MTP, a full MTP layer and its K/V at every head. Under tp > 1 for now: every step eager and no
+GGUF-quantized target (:func:`tp_settings`, :func:`check_tp_target`, ``EngineConfig``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ..model.draft import FastDraft
 from ..weights.dummy_quantized import DummyQuantizedWeights
 from ..weights.gguf_quantized import load_gguf_target_quantized
 from ..model.mtp import FastMTP
+from ..model.params import Params
 from ..model.pools import CachePools, gdn_bytes_per_slot, kv_bytes_per_token, verify_bytes_per_seq
 from ..model.target import FastTarget
 from ..parallel.group import TPGroup
@@ -110,13 +114,19 @@ def load_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
         check_tokenizer_fits(tokenizer, target_cfg.vocab_size)
     stop_token_ids = eos_token_ids(cfg.model_path, tokenizer)
 
-    tap_layers = draft_cfg.target_layer_ids if draft_cfg is not None else ()
+    proposes = tp.rank == 0  # the proposer is rank 0's alone (module docstring)
+    tap_layers = draft_cfg.target_layer_ids if draft_cfg is not None and proposes else ()
     target = FastTarget(target_cfg, weights, dtype, device, tap_layers, tp=tp)
     local_cfg = target.local_cfg  # this rank's heads and widths (target_cfg itself at tp=1)
-    draft = None
-    if draft_cfg is not None:
-        draft = FastDraft(draft_cfg, draft_weights, target.embed, target.lm_head, dtype, device)
-    mtp = FastMTP(target_cfg, weights, dtype, device, target=target) if cfg.speculative_algorithm == "mtp" else None
+    draft = mtp = None
+    if draft_cfg is not None and proposes:
+        embed, lm_head = target.embed, target.lm_head
+        if tp.parallel:  # the target holds vocabulary slices; the unsharded draft reads every row
+            full = Params(target_cfg, weights, dtype, device)
+            embed, lm_head = full.get("embed_tokens.weight"), full.weight("lm_head.weight")
+        draft = FastDraft(draft_cfg, draft_weights, embed, lm_head, dtype, device)
+    if cfg.speculative_algorithm == "mtp" and proposes:  # unsharded under tp: its own full embedding and head
+        mtp = FastMTP(target_cfg, weights, dtype, device, target=None if tp.parallel else target)
     del weights, draft_weights
     load = None
     if device.type == "cuda":
@@ -127,6 +137,7 @@ def load_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
     num_slots = cfg.max_running_req
     ring_bytes, window_bytes = dflash_slot_bytes(draft_cfg, dtype) if draft_cfg is not None else (0, 0)
     use_mtp = cfg.speculative_algorithm == "mtp"
+    mtp_kv = use_mtp and proposes  # the MTP layer's K/V: rank 0's, at every head (the layer is unsharded)
     activations = graph_pools_bytes = 0
     if device.type == "cuda":  # the largest prefill chunk's temporaries and the graphs' pools stay out of the caches
         graph_pools = 0 if cfg.enforce_eager or not target.capturable() else (2 if cfg.speculative else 1)
@@ -146,6 +157,8 @@ def load_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
         free = budget - num_slots * (state_bytes + ring_bytes + window_bytes) - workspace
         num_snapshots = snapshot_count(cfg.prefix_snapshots, free_bytes=free, snapshot_bytes=snapshot_bytes,
                                        num_slots=num_slots)
+        if tp.parallel:  # rank 0's cache hands out snapshot slots every rank holds: the fewest any rank fits
+            num_snapshots = _min_over_ranks(num_snapshots, tp, device)
         if not num_snapshots:
             logger.warning("prefix caching is off: the cache budget leaves no room for one %.1f MiB snapshot slot "
                            "(raise memory_ratio / cpu_cache_bytes, or set prefix_snapshots)", snapshot_bytes / 2**20)
@@ -153,19 +166,18 @@ def load_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
             num_checkpoints = num_slots
     plan = plan_memory(
         budget, page_size=cfg.page_size, num_slots=num_slots, max_model_len=max_model_len,
-        kv_bytes_per_token=kv_bytes_per_token(local_cfg, dtype, use_mtp), state_bytes_per_slot=state_bytes,
+        kv_bytes_per_token=kv_bytes_per_token(local_cfg, dtype, mtp_kv, mtp_cfg=target_cfg),
+        state_bytes_per_slot=state_bytes,
         draft_bytes_per_slot=ring_bytes + window_bytes, workspace_bytes=workspace,
         budget_field="memory_ratio" if device.type == "cuda" else "cpu_cache_bytes",
         num_snapshots=num_snapshots + num_checkpoints, snapshot_bytes=snapshot_bytes,
         activation_bytes=activations, graph_pool_bytes=graph_pools_bytes,
         device_total_bytes=torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
     if tp.parallel:  # every rank holds the pages rank 0's scheduler hands out: the fewest any rank fits
-        pages = torch.tensor([plan.num_pages], device=device)
-        dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=tp.group)
-        plan = replace(plan, num_pages=int(pages.item()))
+        plan = replace(plan, num_pages=_min_over_ranks(plan.num_pages, tp, device))
     log_plan(plan, draft_ring_bytes=ring_bytes, draft_window_bytes=window_bytes)
     pools = CachePools(local_cfg, plan.num_pages, cfg.page_size, num_slots, k + 1, dtype, device,
-                       mtp=use_mtp)
+                       mtp=mtp_kv, mtp_cfg=target_cfg)
     proposer = None
     if draft is not None:
         proposer = FastDFlashProposer(draft, num_slots, num_snapshots=num_snapshots + num_checkpoints,
@@ -178,16 +190,19 @@ def load_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
 
 
 def tp_settings(cfg: EngineConfig) -> EngineConfig:
-    """Under tensor_parallel_size > 1: every step eager and no prefix cache (module docstring), logged."""
+    """Under tensor_parallel_size > 1: every step eager (module docstring), logged."""
     if cfg.tensor_parallel_size == 1:
         return cfg
     if not cfg.enforce_eager and cfg.device.startswith("cuda"):
         logger.info("tensor_parallel_size=%d: enforce_eager (CUDA graphs per rank are not captured yet)",
                     cfg.tensor_parallel_size)
-    if cfg.prefix_caching:
-        logger.info("tensor_parallel_size=%d: prefix caching off (its snapshot copies are not sent to the ranks yet)",
-                    cfg.tensor_parallel_size)
-    return replace(cfg, enforce_eager=True, prefix_caching=False)
+    return replace(cfg, enforce_eager=True)
+
+
+def _min_over_ranks(value: int, tp: TPGroup, device: torch.device) -> int:
+    count = torch.tensor([value], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.group)
+    return int(count.item())
 
 
 def check_tp_target(cfg: EngineConfig) -> None:

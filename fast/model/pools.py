@@ -51,10 +51,13 @@ from .batch import ForwardBatch
 
 
 
-def kv_bytes_per_token(cfg: TargetConfig, dtype: torch.dtype, mtp: bool) -> int:
-    """K and V bytes one token takes across the full-attention layers (and the MTP layer)."""
-    layers = len(cfg.full_attention_layers) + int(mtp)
-    return layers * 2 * cfg.num_key_value_heads * cfg.head_dim * _itemsize(dtype)
+def kv_bytes_per_token(cfg: TargetConfig, dtype: torch.dtype, mtp: bool, mtp_cfg: TargetConfig | None = None) -> int:
+    """K and V bytes one token takes across the full-attention layers (and the MTP layer, whose heads are
+    ``mtp_cfg``'s: a tensor-parallel rank 0 holds the unsharded MTP layer beside its shard; default ``cfg``)."""
+    per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * _itemsize(dtype)
+    mtp_cfg = mtp_cfg or cfg
+    mtp_layer = 2 * mtp_cfg.num_key_value_heads * mtp_cfg.head_dim * _itemsize(dtype)
+    return len(cfg.full_attention_layers) * per_layer + (mtp_layer if mtp else 0)
 
 
 def gdn_bytes_per_slot(cfg: TargetConfig, dtype: torch.dtype) -> int:
@@ -169,7 +172,7 @@ class CachePools:
 
     def __init__(self, cfg: TargetConfig, num_pages: int, page_size: int, num_slots: int, max_verify_rows: int,
                  dtype: torch.dtype, device: torch.device | str, *, max_verify_seqs: int | None = None,
-                 mtp: bool | None = None, poison: bool = False):
+                 mtp: bool | None = None, mtp_cfg: TargetConfig | None = None, poison: bool = False):
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("num_slots", num_slots),
                             ("max_verify_rows", max_verify_rows)):
             if value < 1:
@@ -184,7 +187,9 @@ class CachePools:
             raise ValueError("mtp=True, but the target has no MTP head (mtp_num_hidden_layers=0)")
         kv_shape = (self.num_kv_slots, cfg.num_key_value_heads, cfg.head_dim)
         self.attention = {layer: PagedKV(*kv_shape, dtype, device, poison) for layer in cfg.full_attention_layers}
-        self.mtp = PagedKV(*kv_shape, dtype, device, poison) if self.has_mtp else None
+        self.mtp_cfg = mtp_cfg or cfg  # the MTP layer's heads (a tensor-parallel rank 0: the unsharded layer's)
+        mtp_shape = (self.num_kv_slots, self.mtp_cfg.num_key_value_heads, self.mtp_cfg.head_dim)
+        self.mtp = PagedKV(*mtp_shape, dtype, device, poison) if self.has_mtp else None
         self.gdn_stack = GDNStack(cfg, num_slots, self.max_verify_seqs, max_verify_rows, dtype, device, poison)
         self.gdn = {layer: GDNSlots(self.gdn_stack, i) for i, layer in enumerate(cfg.linear_attention_layers)}
 
@@ -193,7 +198,7 @@ class CachePools:
         return self.num_pages * self.page_size
 
     def bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.cfg, self.dtype, self.has_mtp)
+        return kv_bytes_per_token(self.cfg, self.dtype, self.has_mtp, self.mtp_cfg)
 
     def bytes_per_slot(self) -> int:
         return gdn_bytes_per_slot(self.cfg, self.dtype)

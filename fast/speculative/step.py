@@ -23,6 +23,8 @@ serving path does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -43,6 +45,14 @@ class SpeculativeStep:
                  verifier: Verifier = verify_ragged):
         self.target, self.pools, self.proposer, self.verifier = target, pools, proposer, verifier
         self.side = SideStream(pools.device, enabled=side_stream)
+        # tensor parallelism: called with (batch, num_rows_kept) before each commit (TPWorkers.commit queues it
+        # for the other ranks' pools); None at tp=1
+        self.before_commit: Callable[[ForwardBatch, Tensor], None] | None = None
+
+    def _commit(self, batch: ForwardBatch, num_rows_kept: Tensor, meta) -> None:
+        if self.before_commit is not None:
+            self.before_commit(batch, num_rows_kept)
+        commit_verify(self.pools, batch, num_rows_kept, meta)
 
     def propose(self, anchor_tokens: Tensor, anchor_positions: Tensor, slots: Tensor, block_tables: Tensor | None,
                 k: int, st: SamplingTensors) -> DraftProposal:
@@ -71,7 +81,7 @@ class SpeculativeStep:
             logits = out.logits.view(num_seqs, k + 1, -1)
             result = self.verifier(logits, proposal, [k] * num_seqs if limits is None else limits, st, anchors)
             if batch.is_verify:  # a step of no drafts ran as a decode: its GDN state is already the committed one
-                commit_verify(self.pools, batch, result.num_accepted + 1, out.meta)
+                self._commit(batch, result.num_accepted + 1, out.meta)
             if not early:
                 self.proposer.observe(batch, out, result.num_accepted + 1)
         finally:
@@ -82,5 +92,5 @@ class SpeculativeStep:
         """The eager step's end: the GDN commit, then the proposer sees every row with what was committed."""
         num_committed = num_accepted + 1
         if batch.is_verify:
-            commit_verify(self.pools, batch, num_committed, out.meta)
+            self._commit(batch, num_committed, out.meta)
         self.proposer.observe(batch, out, num_committed)

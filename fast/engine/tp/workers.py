@@ -1,25 +1,31 @@
 """The engine's tensor-parallel ranks (``EngineConfig.tensor_parallel_size`` > 1), as vLLM's and SGLang's TP workers.
 
 The process that owns the :class:`~dflash2.fast.engine.engine.Engine` is **rank 0**: it runs the scheduler, the
-sampling, the commits, everything it does at tp=1, over its own shard of the target (``FastTarget`` with a
-:class:`~dflash2.fast.parallel.TPGroup`). At startup it spawns ranks 1..tp-1 (:func:`start_workers`:
-``torch.multiprocessing`` spawn, a free local port, ``init_process_group`` over gloo on the CPU, NCCL on CUDA
-with rank r on ``cuda:r``); each builds its own shard and cache pools by the same ``load_model`` (pools from the
-rank's ``local_cfg``, the page count the minimum over the ranks) and then loops in :func:`worker_main`.
+proposer (the DFlash draft or the MTP head, unsharded: ``startup.load_model``), the sampling and the verify, over
+its own shard of the target (``FastTarget`` with a :class:`~dflash2.fast.parallel.TPGroup`). At startup it spawns
+ranks 1..tp-1 (:func:`start_workers`: ``torch.multiprocessing`` spawn, a free local port, ``init_process_group``
+over gloo on the CPU, NCCL on CUDA with rank r on ``cuda:r``); each builds its own shard and cache pools by the
+same ``load_model`` (pools from the rank's ``local_cfg``; the page and snapshot counts the minimum over the ranks)
+and then loops in :func:`worker_main`.
 
-What is broadcast, and when: the only per-rank state a plain-decoding step changes is the rank's cache pools (KV
-pages and GDN state slots), and the only thing that changes them is the target's forward, at indices (pages,
-slots) that rank 0's scheduler chose and that travel inside the ``ForwardBatch``. So the seam is the eager
-forward (``EagerStep.forward``): before rank 0 runs ``target.forward(batch, pools)`` it broadcasts
-``("forward", batch)`` (the batch's tensors on the host) over a gloo group; every worker runs the same forward on
-its pools, and the all-reduces and all-gathers inside the layers pair up across the ranks. Frees of slots and pages
-are host bookkeeping of rank 0's scheduler (a freed slot's state is never read: a sequence at position 0 starts
-from zeros), so nothing else is sent. ``("stop",)`` ends the loop (:meth:`TPWorkers.close`).
+What is sent, and when: a worker's only state is its cache pools (KV pages, GDN state slots, the verify scratch)
+and, with prefix caching, its snapshot slots. Four operations change them, always at indices (pages, slots,
+snapshot slots) rank 0's scheduler chose:
 
-Under tp > 1 for now: plain decoding only (``speculative_algorithm`` 'none'; ``EngineConfig`` refuses the rest),
-every step eager (no CUDA graphs), no prefix caching (its snapshot copies are per-rank state ops that would need
-their own messages), no GGUF-quantized target (``fast/model/params.py`` cannot cut quantized blocks). Each is
-forced or refused at startup with its reason.
+- the target's forward (prefill chunk, decode, verify): the ``ForwardBatch`` carries the indices;
+- the commit of a verify step (``speculative/commit.commit_verify``): the batch and each sequence's kept rows;
+- the prefix cache's ``save`` / ``load`` / ``copy_pages`` (``engine/snapshots.py``): the slots and pages.
+
+Rank 0 queues the last three (:meth:`TPWorkers.commit`, :class:`MirroredSnapshots`) and sends the queue with the
+next forward, as one message (``[op, ..., ("forward", batch)]``) over a gloo group, before its own forward: a
+worker applies the ops in rank 0's order, then runs the forward, whose all-reduces and all-gathers pair up with
+rank 0's. So a step costs one broadcast, and a worker's pools equal what rank 0's would be at tp=1, rank by rank.
+Nothing else needs sending: the proposer's state (DFlash ring and window, MTP pending rows and K/V) lives on rank 0
+only, and a freed slot's state is never read (a sequence at position 0 starts from zeros). ``("stop",)`` ends the
+loop (:meth:`TPWorkers.close`).
+
+Under tp > 1 for now: every step eager (no CUDA graphs per rank yet) and no GGUF-quantized target
+(``fast/model/params.py`` cannot cut quantized blocks); each is forced or refused at startup with its reason.
 """
 
 from __future__ import annotations
@@ -33,9 +39,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from torch import Tensor
+
 from ...model.batch import ForwardBatch
 from ...parallel.group import TPGroup
+from ...speculative.commit import commit_verify
 from ..config import EngineConfig
+from ..snapshots import StateSnapshots
 from ..startup import load_model
 
 logger = logging.getLogger("dflash2.fast.engine")
@@ -70,19 +80,36 @@ def _device_batch(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
 
 
 class TPWorkers:
-    """Rank 0's handle on ranks 1..tp-1: ``tp`` (its TPGroup), :meth:`forward` (broadcast a step's batch before
-    rank 0's own forward) and :meth:`close` (stop the workers, join them, leave the group)."""
+    """Rank 0's handle on ranks 1..tp-1: ``tp`` (its TPGroup), :meth:`forward` (send the queued ops and a step's
+    batch before rank 0's own forward), :meth:`commit` and :meth:`snapshots` (queue a state op) and :meth:`close`
+    (stop the workers, join them, leave the group)."""
 
     def __init__(self, processes: list, tp: TPGroup, control):
         self.processes, self.tp, self.control = processes, tp, control
+        self.pending: list[tuple] = []  # state ops since the last forward, in rank 0's order
         self.closed = False
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: list[tuple]) -> None:
         dist.broadcast_object_list([message], src=0, group=self.control)
 
     def forward(self, batch: ForwardBatch) -> None:
-        """Before rank 0's ``target.forward(batch, pools)``: every worker runs the same forward on its shard."""
-        self._send(("forward", _host_batch(batch)))
+        """Before rank 0's ``target.forward(batch, pools)``: every worker applies the queued ops, then runs the
+        same forward on its shard."""
+        message, self.pending = self.pending + [("forward", _host_batch(batch))], []
+        self._send(message)
+
+    def dead(self) -> list[str]:
+        """The workers that have exited, as "rank r (exit code c)"."""
+        return [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.processes, start=1)
+                if not p.is_alive()]
+
+    def commit(self, batch: ForwardBatch, num_rows_kept: Tensor) -> None:
+        """Queue ``commit_verify(pools, batch, num_rows_kept)`` (called beside rank 0's own commit)."""
+        self.pending.append(("commit", _host_batch(batch), num_rows_kept.cpu()))
+
+    def snapshots(self, method: str, *args) -> None:
+        """Queue ``StateSnapshots.<method>(*args)`` on the workers' snapshot slots (:class:`MirroredSnapshots`)."""
+        self.pending.append(("snapshots", method, args))
 
     def close(self) -> None:
         """Stop the workers (they exit their loop), join them and destroy the process group; idempotent."""
@@ -91,7 +118,9 @@ class TPWorkers:
         self.closed = True
         try:
             if all(p.is_alive() for p in self.processes):
-                self._send(("stop",))
+                self._send([("stop",)])
+        except RuntimeError as e:  # a worker died first (its own error is on its stderr): join what is left
+            logger.warning("tensor-parallel workers: the stop message failed (%s)", e)
         finally:
             for p in self.processes:
                 p.join(JOIN_SECONDS)
@@ -102,6 +131,30 @@ class TPWorkers:
                     p.join(JOIN_SECONDS)
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+class MirroredSnapshots:
+    """Rank 0's :class:`~dflash2.fast.engine.snapshots.StateSnapshots` under tp > 1: each operation is queued for
+    the workers' own snapshot slots (their GDN state; the proposer's part is rank 0's alone), then run here."""
+
+    def __init__(self, local: StateSnapshots, workers: TPWorkers):
+        self.local, self.workers = local, workers
+        self.num_snapshots = local.num_snapshots
+
+    def save(self, slots, snapshots) -> None:
+        if slots:
+            self.workers.snapshots("save", list(slots), list(snapshots))
+        self.local.save(slots, snapshots)
+
+    def load(self, snapshots, slots, frontiers) -> None:
+        if slots:
+            self.workers.snapshots("load", list(snapshots), list(slots), list(frontiers))
+        self.local.load(snapshots, slots, frontiers)
+
+    def copy_pages(self, src_pages, dst_pages) -> None:
+        if src_pages:
+            self.workers.snapshots("copy_pages", list(src_pages), list(dst_pages))
+        self.local.copy_pages(src_pages, dst_pages)
 
 
 def start_workers(config: EngineConfig) -> TPWorkers:
@@ -130,22 +183,26 @@ def start_workers(config: EngineConfig) -> TPWorkers:
 
 
 def worker_main(rank: int, size: int, port: int, config: EngineConfig) -> None:
-    """Rank ``rank`` > 0: build the shard and its pools, then run every forward rank 0 broadcasts until "stop"."""
+    """Rank ``rank`` > 0: build the shard and its pools, then apply every message rank 0 broadcasts until "stop"."""
     if config.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     tp, control = _init(rank, size, port, config.device)
     try:
-        model = load_model(config, tp=tp)  # on cuda:rank under CUDA
-        target, pools, device = model.target, model.pools, model.pools.device
+        model = load_model(config, tp=tp)  # on cuda:rank under CUDA; no proposer (rank 0's alone)
+        target, pools, snapshots, device = model.target, model.pools, model.snapshots, model.pools.device
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0, group=control)
-            message = box[0]
-            if message[0] == "stop":
-                break
-            if message[0] == "forward":
-                target.forward(_device_batch(message[1], device), pools)
-            else:
-                raise RuntimeError(f"tensor-parallel rank {rank}: unknown message {message[0]!r}")
+            for op in box[0]:
+                if op[0] == "stop":
+                    return
+                if op[0] == "forward":
+                    target.forward(_device_batch(op[1], device), pools)
+                elif op[0] == "commit":
+                    commit_verify(pools, _device_batch(op[1], device), op[2])
+                elif op[0] == "snapshots":
+                    getattr(snapshots, op[1])(*op[2])
+                else:
+                    raise RuntimeError(f"tensor-parallel rank {rank}: unknown message {op[0]!r}")
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,153 @@
+"""The engine at tensor_parallel_size 2 and 4 (fast/engine/tp/) against tp=1, with speculation and the prefix cache.
+
+The engine process is rank 0 (scheduler, the unsharded proposer, sampling, verify); the other ranks are spawned
+and mirror its forwards, commits and snapshot copies over gloo. Both sides run fp32: only the order of the sums
+inside each row-parallel projection differs, so, on these tiny targets:
+
+- greedy tokens (EXACT): plain decoding, MTP and DFlash on the dense and MoE targets at tp=2, DFlash on a variant
+  with every head count divisible by 4 at tp=4, the same tokens as tp=1, and the same tokens per verify step;
+- the prefix cache under tp=2: a hit on a snapshot made during prefill and a chat's second turn resumed on the
+  first turn's finish snapshot give a cold tp=1 engine's tokens (the workers' snapshot slots and copied pages
+  mirror rank 0's, or the resumed GDN state would be wrong on their heads);
+- DISTRIBUTION: the first three tokens of DFlash requests sampled through the tp=2 engine (T = 1, top_k = 3,
+  one seed per request) follow the target's exact law p(t1) p(t2 | t1) p(t3 | t1, t2), enumerated with the
+  reference target, every one of the 27 cells within 5 standard errors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dflash2.fast.llm import LLM
+from dflash2.reference.formats.checkpoint import load_target
+from dflash2.reference.model.target import ReferenceTarget
+from dflash2.reference.request.sampling_params import SamplingParams
+from dflash2.reference.speculative.sampling import target_probs
+from dflash2.reference.tiny.draft import write_tiny_draft
+from dflash2.reference.tiny.target import PRESETS, write_tiny_target
+
+# heads divisible by 4 (H 8, Hkv 4, Hk 4, Hv 8), as conformance/layers/test_tp_target.py's tp=4 variants
+WIDE_HEADS = dict(num_attention_heads=8, num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=8)
+KW = dict(dtype=torch.float32, device="cpu", max_running_req=2, max_num_batched_tokens=16, page_size=4,
+          cpu_cache_bytes=8 << 20)
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [(7 * i + 3) % 200 for i in range(37)]]  # one crosses chunks and pages
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    cache = {}
+
+    def get(preset: str):
+        if preset not in cache:
+            root = tmp_path_factory.mktemp(preset)
+            spec = replace(PRESETS["tiny-dense"], **WIDE_HEADS) if preset == "tiny-dense-wide" else preset
+            target = write_tiny_target(root / "target", spec, tokenizer=None)
+            cache[preset] = (target, write_tiny_draft(root / "draft", target, seed=3))
+        return cache[preset]
+
+    return get
+
+
+def llm(checkpoints, preset: str, algorithm: str, tp: int = 1, **kw) -> LLM:
+    target, draft = checkpoints(preset)
+    return LLM(str(target), tensor_parallel_size=tp, speculative_algorithm=algorithm,
+               speculative_draft_model_path=str(draft) if algorithm == "dflash" else None, **dict(KW, **kw))
+
+
+def generate(engine: LLM, prompts, params: SamplingParams):
+    outs = engine.generate(prompts, params)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return outs
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+CASES = [("tiny-dense", "none", 2), ("tiny-dense", "mtp", 2), ("tiny-dense", "dflash", 2), ("tiny-moe", "mtp", 2),
+         ("tiny-moe", "dflash", 2), ("tiny-dense-wide", "dflash", 4)]
+
+
+@pytest.mark.parametrize("preset,algorithm,tp", CASES)
+def test_greedy_tokens_equal_tp1(checkpoints, preset, algorithm, tp):
+    expected = generate(llm(checkpoints, preset, algorithm), PROMPTS, GREEDY)
+    engine = llm(checkpoints, preset, algorithm, tp)
+    try:
+        assert len(engine.engine.workers.processes) == tp - 1
+        got = generate(engine, PROMPTS, GREEDY)
+    finally:
+        engine.close()
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    # the same acceptance: the rank-0 proposer read the same taps and the workers' commits kept the same rows
+    assert [(o.verify_steps, o.num_emitted) for o in got] == [(o.verify_steps, o.num_emitted) for o in expected]
+
+
+def chat(engine: LLM, first: list[int], second: list[int]):
+    """Three requests on one engine: ``first``; ``second``, sharing a prefix of it; the next turn of the first."""
+    turn1 = generate(engine, [first], GREEDY)[0]
+    hit = generate(engine, [second], GREEDY)[0]
+    turn2 = generate(engine, [first + turn1.token_ids + [11, 12, 13]], GREEDY)[0]
+    return turn1, hit, turn2
+
+
+@pytest.mark.parametrize("algorithm", ["none", "mtp", "dflash"])
+def test_prefix_cache_under_tp(checkpoints, algorithm):
+    first = [(7 * i + 3) % 200 + 1 for i in range(40)]
+    second = first[:35] + [9, 8, 7, 6, 5]  # shares 35 tokens: resumes at the 32-token prefill snapshot
+    kw = dict(snapshot_interval=16, page_size=16, max_num_batched_tokens=16, speculative_depth="fixed")
+    expected = chat(llm(checkpoints, "tiny-dense", algorithm, **kw), first, second)
+    engine = llm(checkpoints, "tiny-dense", algorithm, 2, **kw)
+    try:
+        assert engine.config.prefix_caching
+        got = chat(engine, first, second)
+    finally:
+        engine.close()
+    assert got[1].cached_tokens == 32
+    # the same hits as tp=1 (a finish snapshot where tp=1 takes one) and the same tokens as tp=1, which equal a
+    # cold engine's (conformance/tokens/test_tokens_prefix_cache.py)
+    assert [o.cached_tokens for o in got] == [o.cached_tokens for o in expected]
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    if algorithm != "dflash":  # these finish exactly at their frontier: the second turn resumes after the first
+        assert got[2].cached_tokens >= len(first) + GREEDY.max_tokens - 1
+
+
+LAW_PROMPT = [7, 21, 7, 21, 7, 3]
+LAW_TOKENS, LAW_RUNS = 3, 320
+
+
+def law_params(seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=LAW_TOKENS, temperature=1.0, top_k=3, seed=seed, ignore_eos=True)
+
+
+def exact_law(target: ReferenceTarget) -> dict[tuple[int, ...], float]:
+    law = {(): 1.0}
+    for _ in range(LAW_TOKENS):
+        grown = {}
+        for prefix, mass in law.items():
+            p = target_probs(target.forward(torch.tensor(LAW_PROMPT + list(prefix))).logits[-1], law_params(0))
+            for t in torch.nonzero(p).flatten().tolist():
+                grown[prefix + (t,)] = mass * float(p[t])
+        law = grown
+    return law
+
+
+def test_sampled_dflash_law_through_tp2(checkpoints):
+    target_path, _ = checkpoints("tiny-dense")
+    exact = exact_law(ReferenceTarget(*load_target(target_path)))
+    engine = llm(checkpoints, "tiny-dense", "dflash", 2, max_running_req=16, speculative_num_steps=2,
+                 speculative_depth="fixed", prefix_caching=False, cpu_cache_bytes=64 << 20)
+    try:
+        outs = generate(engine, [LAW_PROMPT] * LAW_RUNS, [law_params(seed) for seed in range(1, LAW_RUNS + 1)])
+    finally:
+        engine.close()
+    assert sum(o.verify_steps for o in outs) > 0  # the tokens went through verify steps, not only the prefill
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    worst = 0.0
+    for cell in set(exact) | set(counts):
+        p, f = exact.get(cell, 0.0), counts.get(cell, 0) / LAW_RUNS
+        assert p > 0.0, f"the tp=2 engine produced {cell}, which the target cannot"
+        worst = max(worst, abs(f - p) / math.sqrt(p * (1 - p) / LAW_RUNS))
+    assert worst < 5.0, f"a cell of the sampled law is {worst:.1f} standard errors from the target's"
