@@ -104,6 +104,10 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="timed generates per run (default 1): wall_s is their median, the step figures pool their "
                         "steps (a run of the bundled pair lasts tens of milliseconds, so one is noisy)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
+                   help="EngineConfig.tensor_parallel_size: the target sharded over this many ranks (gloo on the CPU, "
+                        "NCCL on CUDA with rank r on cuda:r); the all-reduce bandwidth is measured first and each step's "
+                        "floor is one rank's bytes plus its all-reduces (bench/floors.py; default 1)")
     p.add_argument("--profile", action="store_true", help="add each run's top kernels by GPU time (torch profiler)")
     p.set_defaults(func=run_bench)
 
@@ -137,6 +141,12 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UserInputError(f"repeats={args.repeats}: expected an integer >= 1")
     if args.max_tokens < 2:
         raise UserInputError(f"max_tokens={args.max_tokens}: expected an integer >= 2")
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        raise UserInputError(f"tensor_parallel_size={tp}: expected an integer >= 1 (--tp)")
+    if torch.cuda.is_available() and tp > torch.cuda.device_count():
+        raise UserInputError(f"tensor_parallel_size={tp}: expected at most the {torch.cuda.device_count()} visible "
+                             "CUDA devices (rank r runs on cuda:r)")
     SamplingParams(temperature=args.temperature, top_p=args.top_p).validate()  # the field and value when refused
     gpu = torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
     out = Path(args.out) if args.out else Path("bench/results") / f"{time.strftime('%Y-%m-%d')}-{gpu}"
@@ -144,7 +154,7 @@ def run_bench(args: argparse.Namespace) -> int:
                            max_tokens=args.max_tokens,
                            simulate_tokens_per_step=args.simulate_tokens_per_step, out_dir=out,
                            command="ft " + " ".join(sys.argv[1:]), profile=args.profile, prompts=prompts,
-                           temperature=args.temperature, top_p=args.top_p, repeats=args.repeats,
+                           temperature=args.temperature, top_p=args.top_p, repeats=args.repeats, tp=tp,
                            extra={"enforce_eager": args.enforce_eager,
                                   "speculative_depth": args.speculative_depth,
                                   **({"cpu_cache_bytes": args.cpu_cache_bytes} if args.cpu_cache_bytes else {}),

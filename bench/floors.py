@@ -20,6 +20,28 @@ copy, counting bytes read plus bytes written), so a slow or shared card lowers i
 
 The floor counts no activation traffic and no arithmetic, so it is a bound no engine reaches.
 
+Tensor parallelism (``ft bench --tp N``, the target sharded as ``fast/parallel/plan.py`` cuts it): the ranks run
+in lockstep, so a step's floor is one rank's, rank 0's (the scheduler's, and under TP the one that also runs the
+DFlash draft or the MTP head, unsharded):
+
+    floor(step) = bytes_per_rank(step) / copy bandwidth  +  collective_bus_bytes(step) / bus bandwidth
+
+- ``bytes_per_rank`` (:func:`target_step_bytes` with ``tp``): every split tensor (column- or row-parallel
+  projections, the heads' own vectors, the experts' intermediate slices, the vocabulary-parallel LM head) counts
+  ``1/N`` of its bytes, every replicated one (norms, the router, the shared expert's gate) whole; the embedding
+  rows ``1/N`` (each rank reads the rows in its vocabulary slice); the K/V context of its ``Hkv/N`` KV heads and
+  the GDN state of its ``Hv/N`` value heads. The draft or MTP head is added whole (rank 0 runs it unsharded).
+- ``collective_bus_bytes`` (:func:`tp_collective_bytes`): per layer two all-reduces (the mixer's output
+  projection, the MLP's or MoE's down projection) and the embedding's one, each of ``rows x C x itemsize``
+  bytes, and the LM head's all-gather of ``logit_rows x V x 4`` (fp32 logits), in ring bus bytes: a ring
+  all-reduce moves ``2(N-1)/N`` of its tensor through each rank's link, an all-gather ``(N-1)/N`` of its output.
+- the bus bandwidth is ``bench/allreduce.py``'s, measured over N spawned ranks before the engines start, at each
+  collective's own message size (a decode step's all-reduce of a few KiB is latency bound: its bandwidth there is
+  far below the 16 MiB figure); the all-gather is timed as an all-reduce of its output's size (bus bandwidths of
+  the two ring collectives are comparable by construction, nccl-tests' busbw). At N = 1 the term is 0.
+
+Not counted under TP: rank 0's broadcast of each step's batch to the other ranks (host objects over gloo).
+
 Quantized weights (``ft bench --load-format dummy --dummy-weight-type T``): a matrix the engine keeps as GGUF
 blocks of T (``fast/weights/dummy_quantized.quantizable``) counts its blocks' bytes, ``numel / block_elems *
 block_bytes`` (4.5 bits a weight at Q4_K, 3.06 at IQ3_XXS), everything else its dtype's (:func:`stored_bytes`).
@@ -38,6 +60,7 @@ from dflash2.reference.formats.draft_checkpoint import expected_draft_shapes
 from dflash2.reference.formats.draft_config import DraftConfig
 from dflash2.reference.formats.weights import expected_target_shapes
 from dflash2.fast.kernels.quant.layout import Q, block_shape
+from dflash2.fast.parallel.plan import rank_config, shard_spec
 from dflash2.fast.weights.dummy_quantized import quantizable
 
 EXPERT_SUFFIXES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -68,22 +91,74 @@ class StepBytes:
 
 
 def target_step_bytes(cfg: TargetConfig, itemsize: int, *, num_seqs: int, rows_per_seq: int,
-                      context: int, weight_type: str | None = None) -> StepBytes:
-    """Bytes one target step over ``num_seqs`` sequences of ``rows_per_seq`` rows must move (module docstring)."""
+                      context: int, weight_type: str | None = None, tp: int = 1) -> StepBytes:
+    """Bytes one target step over ``num_seqs`` sequences of ``rows_per_seq`` rows must move on one of ``tp``
+    ranks (module docstring; ``tp`` 1: the whole target). A tensor ``fast/parallel/plan.py`` splits counts
+    ``1/tp`` of its bytes (its every segment is cut into tp equal chunks), a replicated one whole; the
+    embedding rows ``1/tp``; the caches those of the rank's ``Hkv/tp`` KV heads and ``Hv/tp`` GDN value heads.
+    Refuses (``ConfigError`` naming the field and value) a head count or size ``tp`` does not divide."""
+    local = rank_config(cfg, tp)  # the rank's head counts (cfg itself at tp=1); refuses what tp does not divide
     rows = num_seqs * rows_per_seq
     weights = 0.0
     for name, shape in expected_target_shapes(cfg).items():
         if name.startswith("mtp.") or name == "embed_tokens.weight":
             continue
         size = stored_bytes(name, shape, itemsize, weight_type)
-        if name.endswith(EXPERT_SUFFIXES):
+        if name.endswith(EXPERT_SUFFIXES):  # every rank holds every expert, its I/tp slice: the same routing factor
             size *= expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, rows) / cfg.num_experts
+        if not shard_spec(name, cfg).replicated:
+            size /= tp
         weights += size
-    weights += rows * cfg.hidden_size * itemsize  # the embedding rows
-    kv = len(cfg.full_attention_layers) * num_seqs * context * 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
-    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4  # fp32
+    weights += rows * cfg.hidden_size * itemsize / tp  # the embedding rows, each read by the rank whose slice holds it
+    kv = len(cfg.full_attention_layers) * num_seqs * context * 2 * local.num_key_value_heads * cfg.head_dim * itemsize
+    state = local.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4  # fp32
     gdn = len(cfg.linear_attention_layers) * num_seqs * 2 * state
     return StepBytes(weights, kv + gdn)
+
+
+@dataclass(frozen=True)
+class CollectiveBytes:
+    """One tensor-parallel step's collectives, per rank (:func:`tp_collective_bytes`): the ring bus bytes of its
+    all-reduces and of its all-gather, and the size of each one's tensor (its message, for the bandwidth there)."""
+
+    all_reduce: float  # bus bytes of the 2 L + 1 all-reduces
+    all_gather: float  # bus bytes of the LM head's all-gather
+    all_reduce_message: int  # bytes of one all-reduce's tensor, rows x C x itemsize
+    all_gather_message: int  # bytes of the gathered logits, logit_rows x V x 4
+
+    @property
+    def total(self) -> float:
+        return self.all_reduce + self.all_gather
+
+    def seconds(self, bus_bandwidth) -> float:
+        """The floor's collective term: each collective's bus bytes over ``bus_bandwidth(message bytes)`` (bytes/s,
+        measured at that message size); 0 with nothing to move (tp=1), without asking for a bandwidth."""
+        if self.total == 0:
+            return 0.0
+        return (self.all_reduce / bus_bandwidth(self.all_reduce_message)
+                + self.all_gather / bus_bandwidth(self.all_gather_message))
+
+
+def tp_collective_bytes(cfg: TargetConfig, itemsize: int, *, rows: int, logit_rows: int, tp: int) -> CollectiveBytes:
+    """The bytes one rank's link carries in one target step over ``rows`` rows on ``tp`` ranks (ring algorithms)::
+
+        all-reduces  (2 L + 1) x rows x C x itemsize x 2 (tp - 1) / tp
+                     two a layer (the attention or GDN output projection, the MLP or MoE down projection, both
+                     row-parallel: the partial sums), one for the vocabulary-parallel embedding
+        all-gather   logit_rows x V x 4 x (tp - 1) / tp
+                     the LM head's vocabulary slices of the fp32 logits, gathered on every rank
+
+    ``L`` = ``num_hidden_layers`` (the MTP head and a DFlash draft run unsharded on rank 0: no collective).
+    tp=1: zero. A decode step has ``rows = logit_rows = num_seqs``; a verify step ``num_seqs x (k + 1)`` both.
+    """
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r}: expected an integer >= 1")
+    reduce_message = rows * cfg.hidden_size * itemsize
+    gather_message = logit_rows * cfg.vocab_size * 4
+    count = 2 * cfg.num_hidden_layers + 1
+    return CollectiveBytes(all_reduce=count * reduce_message * 2 * (tp - 1) / tp,
+                           all_gather=gather_message * (tp - 1) / tp,
+                           all_reduce_message=reduce_message, all_gather_message=gather_message)
 
 
 def mtp_draft_bytes(cfg: TargetConfig, itemsize: int, *, num_seqs: int, k: int, weight_type: str | None = None) -> float:

@@ -45,6 +45,31 @@ def ratio_medians(pairs: list[tuple[dict, dict, float]]) -> list[tuple[tuple, li
     return [(key, ratios, statistics.median(ratios)) for key, ratios in groups.items() if len(ratios) >= 2]
 
 
+def allreduce_line(result: dict) -> str | None:
+    """The all-reduce bandwidth ``--tp`` > 1 measured (bench/allreduce.py), for the header beside the copy bandwidth:
+    bus and algorithm bandwidth at 16 MiB, then the bus bandwidth at each message size the steps move; None at tp=1
+    (and in results written before tensor parallelism)."""
+    measured = result.get("allreduce")
+    if not measured:
+        return None
+    n = measured["tp"]
+    sizes = {m["bytes"]: m for m in measured["sizes"]}
+    peak = sizes.get(measured["peak_bytes"])
+    head = (f"- all-reduce over tp={n} ranks measured in this run ({measured['backend']}, {measured['dtype']}, "
+            f"{n} processes spawned before the engines; bus = algorithm x 2(N-1)/N = x {2 * (n - 1) / n:.2f})")
+    if peak is not None:
+        head += f": 16 MiB {peak['busbw_GBps']:.1f} GB/s bus, {peak['algbw_GBps']:.1f} GB/s algorithm"
+    steps = [m for size, m in sorted(sizes.items()) if size != measured["peak_bytes"]]
+    if steps:
+        head += "; at the steps' message sizes (bus GB/s, us a call): " + ", ".join(
+            f"{_size(m['bytes'])} {m['busbw_GBps']:.3g} ({m['us']:.0f} us)" for m in steps)
+    return head
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.3g} MiB" if num_bytes >= 2**20 else f"{num_bytes / 2**10:.3g} KiB"
+
+
 def markdown(result: dict) -> str:
     sim = result.get("simulated_tokens_per_step")
     lines = [
@@ -54,6 +79,7 @@ def markdown(result: dict) -> str:
         f"- date {result['date']}, device {result['device']}, torch {result['torch']}, "
         f"git HEAD as the run saw it {result['git']} (a copied checkout may carry a stale one)",
         f"- copy bandwidth measured in this run: {result['copy_bandwidth_GBps']:.0f} GB/s (read + write)",
+        *filter(None, [allreduce_line(result)]),
         f"- bf16 matmul rate measured in this run: {_fmt(result.get('bf16_matmul_TFLOPs'), '.0f')} TFLOP/s "
         "(8192^3 GEMM, CUDA events, median; - off CUDA)",
         f"- shape: hidden {result['shape']['hidden_size']}, {result['shape']['num_hidden_layers']} layers, "
@@ -71,7 +97,10 @@ def markdown(result: dict) -> str:
         lines.append(f"- **simulated acceptance (timing only)**: each verify keeps drafts so that the mean is "
                      f"{sim} committed tokens per step; random weights accept nothing on their own")
     lines += ["", "Step: median host wall time of the decode (off) or verify step, each ending on its one "
-              "device read; floor: the bytes the step must move over the measured bandwidth (bench/floors.py). "
+              "device read; floor: the bytes the step must move over the measured bandwidth (bench/floors.py); "
+              "under tp > 1 one rank's: bytes floor (its shard of the weights and caches, the draft or MTP head whole "
+              "on rank 0) over the copy bandwidth + all-reduce floor (the step's ring bus bytes of its 2 L + 1 "
+              "all-reduces and its logits' all-gather, over the bus bandwidth measured at their sizes; 0 at tp=1). "
               "wall tok/s: every token of the timed generate (prefill included) over its wall time, the median of "
               f"{result['runs'][0].get('repeats', 1) if result['runs'] else 1} generate(s).",
               "", "Prefill: the timed generate's prefill calls with the prefix cache empty, so every prompt token is "
@@ -83,18 +112,20 @@ def markdown(result: dict) -> str:
               "(bench/floors.prefill_flops: its weights, top-k experts only, the LM head for each prompt's last row, "
               "causal attention, the GDN recurrence; no draft work) over the measured bf16 matmul rate, as a "
               "fraction of prefill s.",
-              "", "| setting | conc | prompt | step | step ms | floor ms | floor/step | draft ms | tok/step | "
-              "tok/s | wall tok/s | prefill s | prefill tok/s | prefill floor | KV tokens | draft params | "
-              "ring+window MiB/slot | workspace MiB |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "", "| setting | conc | prompt | step | tp | step ms | floor ms | bytes floor | all-reduce floor | "
+              "floor/step | draft ms | tok/step | tok/s | wall tok/s | prefill s | prefill tok/s | prefill floor "
+              "| KV tokens | draft params | ring+window MiB/slot | workspace MiB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         if "error" in r:
             lines.append(f"| {r['setting']} | {r['concurrency']} | {r['prompt_len']} | FAILED: {r['error'][:120]} |")
             continue
         slot_mib = (r["ring_bytes_per_slot"] + r["window_bytes_per_slot"]) / 2**20
         lines.append(
-            f"| {r['setting']} | {r['concurrency']} | {r['prompt_len']} | {r['step']} | {_fmt(r['step_ms_median'], '.2f')} "
-            f"| {r['floor_ms']:.2f} | {_fmt(r['floor_fraction'], '.0%')} | {_fmt(r.get('draft_ms'), '.2f')} "
+            f"| {r['setting']} | {r['concurrency']} | {r['prompt_len']} | {r['step']} | {r.get('tp', 1)} "
+            f"| {_fmt(r['step_ms_median'], '.2f')} | {r['floor_ms']:.2f} "
+            f"| {r.get('floor_bytes_ms', r['floor_ms']):.2f} | {r.get('floor_allreduce_ms', 0.0):.2f} "  # older: tp=1
+            f"| {_fmt(r['floor_fraction'], '.0%')} | {_fmt(r.get('draft_ms'), '.2f')} "
             f"| {_fmt(r['tokens_per_step'], '.2f')} | {_fmt(r['tokens_per_s'], '.1f')} | {_fmt(r.get('wall_tokens_per_s'), '.1f')} | {r['prefill_s']:.2f} "
             f"| {_fmt(r.get('prefill_tokens_per_s'), '.0f')} | {_fmt(r.get('prefill_floor_fraction'), '.0%')} "
             f"| {r['kv_tokens']} | {r['draft_params'] / 1e6:.0f}M | {slot_mib:.0f} "

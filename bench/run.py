@@ -27,6 +27,12 @@ acceptance can be set beside plain decoding (bench/simulated.py wraps the engine
 
 Floors (bench/floors.py) are computed from the config and the copy bandwidth measured in the run (steps), or the
 bf16 matmul rate measured in the run (the prefill: the target's FLOPs, CUDA only).
+
+``--tp N`` (``tensor_parallel_size``): each engine shards the target over N ranks (this process rank 0, N - 1
+spawned: fast/engine/tp/workers.py). Before the first engine, N spawned ranks time all-reduces at 16 MiB and at every
+message size the runs' steps will all-reduce or all-gather (bench/allreduce.py); each step's floor is then one
+rank's: its bytes over the copy bandwidth plus the step's collective bus bytes over the bus bandwidth measured at
+their sizes (bench/floors.py), the two parts reported apart. Each engine is closed (its ranks stopped) before the next.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from dflash2.fast.engine.config import EngineConfig
 from dflash2.fast.engine.warmup import warm_up
 from dflash2.fast.kernels.sampling.sampler import SamplingTensors
 from dflash2.fast.llm import LLM, SamplingParams
@@ -50,7 +57,8 @@ from dflash2.fast.speculative.verify import verify_ragged
 from dflash2.reference.formats.checkpoint import target_config
 from dflash2.reference.formats.draft_checkpoint import draft_config
 
-from .floors import dflash_draft_bytes, mtp_draft_bytes, prefill_flops, target_step_bytes
+from .allreduce import PEAK_BYTES, AllReduceBandwidth, measure_allreduce
+from .floors import dflash_draft_bytes, mtp_draft_bytes, prefill_flops, target_step_bytes, tp_collective_bytes
 from .measure import copy_bandwidth, graph_seconds, matmul_rate
 from .seed_figures import seed_kv_tokens
 from .simulated import SimulatedAcceptance, SimulatedVerifier, tokens_per_step
@@ -76,6 +84,7 @@ class BenchArgs:
     temperature: float = 0.0  # every request's (request i seeded i)
     top_p: float = 1.0
     repeats: int = 1  # timed generates per run: wall figures are their median, step figures pool their steps
+    tp: int = 1  # tensor_parallel_size: the target sharded over tp ranks, each step's floor one rank's
 
 
 class StepClock:
@@ -138,14 +147,28 @@ def verify_kernel_seconds(vocab: int, num_seqs: int, k: int, device: torch.devic
 
 
 def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, bandwidth: float,
-            matmul_flops: float | None) -> dict:
-    """One engine, warmed up, then timed (module docstring). ``bandwidth``: copy bytes/s; ``matmul_flops``: the
-    bf16 matmul FLOP/s (None off CUDA: no prefill floor)."""
+            matmul_flops: float | None, allreduce: AllReduceBandwidth | None = None) -> dict:
+    """One engine, warmed up, then timed (module docstring), then closed (under tp > 1 its ranks stopped, even when
+    the run fails, so the next engine can start its own). ``bandwidth``: copy bytes/s; ``matmul_flops``: the bf16
+    matmul FLOP/s (None off CUDA: no prefill floor); ``allreduce``: the bus bandwidths ``--tp`` > 1 measured."""
     algorithm, k = SETTINGS[setting]
     llm = LLM(args.model, max_running_req=concurrency, load_format=args.load_format, seed=args.seed,
               speculative_algorithm=algorithm, speculative_num_steps=k,
               speculative_draft_model_path=args.draft if algorithm == "dflash" else None,
-              max_model_len=prompt_len + args.max_tokens + 64, **args.extra)
+              max_model_len=prompt_len + args.max_tokens + 64, tensor_parallel_size=args.tp, **args.extra)
+    try:
+        return _timed_run(llm, args, setting, concurrency, prompt_len, bandwidth, matmul_flops, allreduce)
+    finally:
+        llm.close()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _timed_run(llm: LLM, args: BenchArgs, setting: str, concurrency: int, prompt_len: int, bandwidth: float,
+               matmul_flops: float | None, allreduce: AllReduceBandwidth | None) -> dict:
+    algorithm, k = SETTINGS[setting]
     engine = llm.engine
     runner, model = engine.runner, engine.model
     simulated = None
@@ -204,8 +227,10 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
     context = prompt_len + args.max_tokens // 2
     rows = 1 + (k or 0)
     weight_type = args.extra.get("dummy_weight_type")  # GGUF blocks: the floor counts their bytes
+    tp = engine.config.tensor_parallel_size
+    # one rank's bytes (rank 0's: its shard, and the draft or MTP head whole, which it runs unsharded)
     floor_bytes = target_step_bytes(cfg, itemsize, num_seqs=concurrency, rows_per_seq=rows, context=context,
-                                    weight_type=weight_type).total
+                                    weight_type=weight_type, tp=tp).total
     draft_params = 0
     if algorithm == "mtp":
         floor_bytes += mtp_draft_bytes(cfg, itemsize, num_seqs=concurrency, k=k, weight_type=weight_type)
@@ -213,13 +238,23 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
         draft_cfg = draft_config(args.draft, cfg)
         floor_bytes += dflash_draft_bytes(draft_cfg, cfg, itemsize, weight_type)
         draft_params = sum(t.numel() for t in model.proposer.draft.w.values())
+    collectives = tp_collective_bytes(cfg, itemsize, rows=concurrency * rows, logit_rows=concurrency * rows, tp=tp)
+    if collectives.total and allreduce is None:
+        raise RuntimeError(f"tp={tp}: the all-reduce bandwidth was not measured before the engine started")
+    floor_collective_ms = 1e3 * collectives.seconds(allreduce.busbw if allreduce is not None else None)
+    floor_bytes_ms = 1e3 * floor_bytes / bandwidth
     row = {
         "setting": setting, "algorithm": algorithm, "k": k, "concurrency": concurrency, "prompt_len": prompt_len,
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "simulated_tokens_per_step": simulate,
         "step": step_kind, "steps": steps, "step_ms_median": 1e3 * statistics.median(step_times) if steps else None,
         "step_ms_mean": 1e3 * decode_s / steps if steps else None,
-        "floor_ms": 1e3 * floor_bytes / bandwidth, "tokens_per_s": tokens / decode_s if decode_s else None,
+        "tp": tp, "floor_ms": floor_bytes_ms + floor_collective_ms, "floor_bytes_ms": floor_bytes_ms,
+        "floor_allreduce_ms": floor_collective_ms, "floor_rank_bytes": floor_bytes,
+        "allreduce_bus_bytes": collectives.all_reduce, "allgather_bus_bytes": collectives.all_gather,
+        "allreduce_message_bytes": collectives.all_reduce_message,
+        "allreduce_busbw_GBps": allreduce.busbw(collectives.all_reduce_message) / 1e9 if collectives.total else None,
+        "tokens_per_s": tokens / decode_s if decode_s else None,
         "tokens_per_step": tokens / (steps * concurrency) if steps else None,
         "prefill_s": prefill_s / args.repeats, "wall_s": wall, "wall_s_runs": walls, "repeats": args.repeats,
         "wall_tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
@@ -259,10 +294,6 @@ def run_one(args: BenchArgs, setting: str, concurrency: int, prompt_len: int, ba
         # 8-token prompts, so the 16-token generate is mostly decode or verify steps, not prefill
         row["profile"] = kernel_shares(llm, [p[:8] for p in prompts],
                                        [replace(p, max_tokens=17) for p in params])
-    del llm, engine, runner, model, clock
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return row
 
 
@@ -304,11 +335,13 @@ def run(args: BenchArgs, on_row=None) -> dict:
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else float("nan")
     matmul_flops = matmul_rate(device) if device.type == "cuda" else None  # bf16, the dtype ft bench's targets run in
     cfg = target_config(args.model)
+    allreduce = tp_bandwidth(args, cfg, device)
     result = {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "command": args.command, "model": args.model, "draft": args.draft,
         "load_format": args.load_format, "dummy_weight_type": args.extra.get("dummy_weight_type"),
-        "copy_bandwidth_GBps": bandwidth / 1e9,
+        "copy_bandwidth_GBps": bandwidth / 1e9, "tp": args.tp,
+        "allreduce": allreduce.to_json() if allreduce is not None else None,
         "bf16_matmul_TFLOPs": matmul_flops / 1e12 if matmul_flops else None,
         "shape": {"hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
                   "vocab_size": cfg.vocab_size, "is_moe": cfg.is_moe},
@@ -320,7 +353,7 @@ def run(args: BenchArgs, on_row=None) -> dict:
                                       for b in (1, 4, 16) for k in ks or [7]}
     for setting, concurrency, prompt_len in args.runs:
         try:
-            row = run_one(args, setting, concurrency, prompt_len, bandwidth, matmul_flops)
+            row = run_one(args, setting, concurrency, prompt_len, bandwidth, matmul_flops, allreduce)
         except Exception as exc:  # one failed run is reported and the others still run
             row = {"setting": setting, "concurrency": concurrency, "prompt_len": prompt_len,
                    "error": f"{type(exc).__name__}: {exc}"}
@@ -332,6 +365,22 @@ def run(args: BenchArgs, on_row=None) -> dict:
         if on_row is not None:
             on_row(result)
     return result
+
+
+def tp_bandwidth(args: BenchArgs, cfg, device: torch.device) -> AllReduceBandwidth | None:
+    """``--tp`` > 1: the all-reduce bus bandwidth of ``args.tp`` spawned ranks at 16 MiB and at each message size the
+    runs' steps move (bench/floors.tp_collective_bytes: a step's all-reduce, its logits' all-gather), in the dtype
+    the engines will run (EngineConfig's 'auto'); None at tp=1 (nothing to measure)."""
+    if args.tp == 1:
+        return None
+    dtype = EngineConfig(model_path=args.model).resolved().torch_dtype  # LLM's dtype=None: bf16 on CUDA, fp32 on CPU
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = {PEAK_BYTES}
+    for setting, concurrency, _ in args.runs:
+        rows = concurrency * (1 + (SETTINGS[setting][1] or 0))
+        c = tp_collective_bytes(cfg, itemsize, rows=rows, logit_rows=rows, tp=args.tp)
+        sizes |= {c.all_reduce_message, c.all_gather_message}
+    return measure_allreduce(args.tp, device.type, sizes, dtype)
 
 
 def _git_rev() -> str:
