@@ -9,6 +9,9 @@ inside each row-parallel projection differs, so, on these tiny targets:
 - the prefix cache under tp=2: a hit on a snapshot made during prefill and a chat's second turn resumed on the
   first turn's finish snapshot give a cold tp=1 engine's tokens (the workers' snapshot slots and copied pages
   mirror rank 0's, or the resumed GDN state would be wrong on their heads);
+- the captured-step path (``TargetGraphs``: static buffers, padded buckets; on the CPU replayed without a capture)
+  mirrored on the workers (``TPWorkers.graph_run``): plain decoding and DFlash at tp=2 give tp=1's tokens on the
+  same path, sampled requests included;
 - DISTRIBUTION: the first three tokens of DFlash requests sampled through the tp=2 engine (T = 1, top_k = 3,
   one seed per request) follow the target's exact law p(t1) p(t2 | t1) p(t3 | t1, t2), enumerated with the
   reference target, every one of the 27 cells within 5 standard errors.
@@ -22,6 +25,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from dflash2.fast.engine.graph_step import TargetGraphs
+from dflash2.fast.engine.scheduler import pages_for
 from dflash2.fast.llm import LLM
 from dflash2.reference.formats.checkpoint import load_target
 from dflash2.reference.model.target import ReferenceTarget
@@ -110,6 +115,32 @@ def test_prefix_cache_under_tp(checkpoints, algorithm):
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     if algorithm != "dflash":  # these finish exactly at their frontier: the second turn resumes after the first
         assert got[2].cached_tokens >= len(first) + GREEDY.max_tokens - 1
+
+
+def on_graph_path(engine: LLM) -> LLM:
+    """Rank 0's decode and verify forwards through TargetGraphs (as on CUDA), mirrored on the workers."""
+    e = engine.engine
+    max_pages = pages_for(e.max_model_len, e.config.page_size)
+    e.runner.graphs = TargetGraphs(e.runner.target, e.runner.pools, max_seqs=e.config.max_running_req,
+                                   max_pages=max_pages)
+    if e.workers is not None:
+        e.runner.graphs.before_run = e.workers.graph_run
+    return engine
+
+
+@pytest.mark.parametrize("algorithm", ["none", "dflash"])
+def test_graph_path_mirrored_on_the_workers(checkpoints, algorithm):
+    params = [GREEDY, SamplingParams(max_tokens=12, temperature=1.0, top_k=7, seed=3, ignore_eos=True)]
+    kw = dict(speculative_depth="fixed") if algorithm != "none" else {}
+    expected = generate(on_graph_path(llm(checkpoints, "tiny-dense", algorithm, **kw)), PROMPTS, params)
+    engine = on_graph_path(llm(checkpoints, "tiny-dense", algorithm, 2, **kw))
+    try:
+        got = generate(engine, PROMPTS, params)
+        assert engine.engine.runner.graphs.graphs, "no step took the graph path"
+    finally:
+        engine.close()
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [(o.verify_steps, o.num_emitted) for o in got] == [(o.verify_steps, o.num_emitted) for o in expected]
 
 
 LAW_PROMPT = [7, 21, 7, 21, 7, 3]

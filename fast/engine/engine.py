@@ -171,9 +171,12 @@ class Engine:
                                    side_stream=cfg.side_stream)
         self.runner = ModelRunner(self.model.target, self.model.pools, spec, page_size=cfg.page_size,
                                   device=self.model.pools.device, trace=trace, graphs=graphs,
-                                  propose_ahead=cfg.propose_ahead, overlap=cfg.overlap_schedule)
+                                  propose_ahead=cfg.propose_ahead, overlap=cfg.overlap_schedule,
+                                  whole_step_graphs=self.workers is None)
         if self.workers is not None:  # the workers mirror rank 0's forwards, commits and snapshot copies
             self.runner.eager.before_forward = self.workers.forward
+            if graphs is not None:
+                graphs.before_run = self.workers.graph_run
             if spec is not None:
                 spec.before_commit = self.workers.commit
             if self.model.snapshots is not None:

@@ -173,6 +173,10 @@ class TargetGraphs(_KeyedGraphs):
     def __init__(self, target: FastTarget, pools: CachePools, *, max_seqs: int, max_pages: int):
         super().__init__(pools, max_seqs=max_seqs, max_pages=max_pages)
         self.target = target
+        # tensor parallelism: called with (graphs, key, host tokens, run's keywords) before each replay
+        # (TPWorkers.graph_run: the other ranks replay their own capture of the key, its collectives paired with
+        # this one's); None at tp=1
+        self.before_run: Callable[..., None] | None = None
 
     def run(self, key: GraphKey, tokens: Tensor | Sequence[int], *, starts: Sequence[int], slots: Sequence[int],
             tables: Sequence[Sequence[int]], logits_rows: Sequence[int],
@@ -184,6 +188,11 @@ class TargetGraphs(_KeyedGraphs):
         are drawn at (also for :meth:`sampling_views`). Returns the real sequences' batch and outputs, and for a
         key with a sampling summary (a decode) each request's next token ``[B]``, drawn in the same replay: views
         of static memory, valid until the next replay."""
+        if self.before_run is not None:  # the other ranks first: a capture's warm-up runs hold collectives too
+            host_tokens = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
+            self.before_run(self, key, host_tokens, dict(starts=list(starts), slots=list(slots),
+                                                         tables=[list(t) for t in tables],
+                                                         logits_rows=list(logits_rows), sampling=sampling))
         step = self.graphs.get(key) or self._capture(key)
         host = step.inputs.begin_fill()
         fill_batch(host, key, starts=starts, slots=slots, tables=tables, logits_rows=logits_rows,

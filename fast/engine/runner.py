@@ -83,13 +83,15 @@ class ModelRunner:
 
     def __init__(self, target: FastTarget, pools: CachePools, spec: SpeculativeStep | None, *, page_size: int,
                  device: torch.device, trace: bool = False, graphs: TargetGraphs | None = None,
-                 propose_ahead: bool = True, overlap: bool = True):
+                 propose_ahead: bool = True, overlap: bool = True, whole_step_graphs: bool = True):
         self.target, self.pools, self.spec = target, pools, spec
         self.page_size, self.device, self.trace = page_size, device, trace
         self.eager = EagerStep(target, pools, page_size=page_size, device=device)
         self.graphs = graphs  # CUDA graphs of the decode and verify forwards (None: every step eager)
-        self.step_graphs = None  # whole speculative steps as CUDA graphs
-        if graphs is not None and spec is not None:
+        # whole speculative steps as CUDA graphs (whole_step_graphs False, tensor parallelism: the proposer is rank
+        # 0's alone, so a speculative step replays its target forward from ``graphs`` and runs the rest eagerly)
+        self.step_graphs = None
+        if graphs is not None and spec is not None and whole_step_graphs:
             self.step_graphs = StepGraphs(spec, max_seqs=graphs.max_seqs, max_pages=graphs.max_pages,
                                           propose_ahead=propose_ahead)
         self.logprobs: list[list[TokenLogprob] | None] | None = None  # the last step's, when asked for

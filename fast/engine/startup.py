@@ -190,11 +190,15 @@ def load_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
 
 
 def tp_settings(cfg: EngineConfig) -> EngineConfig:
-    """Under tensor_parallel_size > 1: every step eager (module docstring), logged."""
+    """Under tensor_parallel_size > 1: every step eager, logged. The captured target forwards are mirrored on the
+    workers (``TPWorkers.graph_run``; the CPU lane runs that path without a capture), but the layers' collectives go
+    through torch.distributed's NCCL process group, whose per-collective host bookkeeping is not replayed by a CUDA
+    graph: capturing them needs a capture-safe communicator (raw NCCL calls, as vLLM's and SGLang's pynccl), which
+    is not written yet."""
     if cfg.tensor_parallel_size == 1:
         return cfg
     if not cfg.enforce_eager and cfg.device.startswith("cuda"):
-        logger.info("tensor_parallel_size=%d: enforce_eager (CUDA graphs per rank are not captured yet)",
+        logger.info("tensor_parallel_size=%d: enforce_eager (the collectives are not capture-safe yet)",
                     cfg.tensor_parallel_size)
     return replace(cfg, enforce_eager=True)
 

@@ -16,6 +16,11 @@ snapshot slots) rank 0's scheduler chose:
 - the commit of a verify step (``speculative/commit.commit_verify``): the batch and each sequence's kept rows;
 - the prefix cache's ``save`` / ``load`` / ``copy_pages`` (``engine/snapshots.py``): the slots and pages.
 
+A forward that rank 0 replays from its ``TargetGraphs`` (a decode, a verify's forward) is sent as
+``("graph", bounds, key, tokens, run's keywords)``: the worker replays its own ``TargetGraphs`` of the same bounds
+(captured on first use, as rank 0's), so the padded buckets and static buffers agree rank by rank. Whole
+speculative-step graphs (``StepGraphs``) are not used under tp > 1: they hold the proposer, which is rank 0's.
+
 Rank 0 queues the last three (:meth:`TPWorkers.commit`, :class:`MirroredSnapshots`) and sends the queue with the
 next forward, as one message (``[op, ..., ("forward", batch)]``) over a gloo group, before its own forward: a
 worker applies the ops in rank 0's order, then runs the forward, whose all-reduces and all-gathers pair up with
@@ -24,8 +29,9 @@ Nothing else needs sending: the proposer's state (DFlash ring and window, MTP pe
 only, and a freed slot's state is never read (a sequence at position 0 starts from zeros). ``("stop",)`` ends the
 loop (:meth:`TPWorkers.close`).
 
-Under tp > 1 for now: every step eager (no CUDA graphs per rank yet) and no GGUF-quantized target
-(``fast/model/params.py`` cannot cut quantized blocks); each is forced or refused at startup with its reason.
+Under tp > 1 for now: every step eager on CUDA (``startup.tp_settings``: the collectives are not capture-safe
+yet) and no GGUF-quantized target (``fast/model/params.py`` cannot cut quantized blocks); each is forced or refused
+at startup with its reason.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from ...model.batch import ForwardBatch
 from ...parallel.group import TPGroup
 from ...speculative.commit import commit_verify
 from ..config import EngineConfig
+from ..graph_step import TargetGraphs
 from ..snapshots import StateSnapshots
 from ..startup import load_model
 
@@ -102,6 +109,14 @@ class TPWorkers:
         """The workers that have exited, as "rank r (exit code c)"."""
         return [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.processes, start=1)
                 if not p.is_alive()]
+
+    def graph_run(self, graphs, key, tokens: list[int], run_kwargs: dict) -> None:
+        """Before rank 0 replays ``graphs``' capture of ``key`` (``TargetGraphs.run``): every worker applies the
+        queued ops, then runs the same ``run`` on its own ``TargetGraphs`` of the same bounds (captured on first
+        use there as here)."""
+        message, self.pending = self.pending + [("graph", (graphs.max_seqs, graphs.max_pages), key, tokens,
+                                                 run_kwargs)], []
+        self._send(message)
 
     def commit(self, batch: ForwardBatch, num_rows_kept: Tensor) -> None:
         """Queue ``commit_verify(pools, batch, num_rows_kept)`` (called beside rank 0's own commit)."""
@@ -190,6 +205,7 @@ def worker_main(rank: int, size: int, port: int, config: EngineConfig) -> None:
     try:
         model = load_model(config, tp=tp)  # on cuda:rank under CUDA; no proposer (rank 0's alone)
         target, pools, snapshots, device = model.target, model.pools, model.snapshots, model.pools.device
+        graphs: dict[tuple[int, int], TargetGraphs] = {}  # rank 0's TargetGraphs' twins, by (max_seqs, max_pages)
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0, group=control)
@@ -198,6 +214,11 @@ def worker_main(rank: int, size: int, port: int, config: EngineConfig) -> None:
                     return
                 if op[0] == "forward":
                     target.forward(_device_batch(op[1], device), pools)
+                elif op[0] == "graph":
+                    bounds, key, tokens, run_kwargs = op[1:]
+                    if bounds not in graphs:
+                        graphs[bounds] = TargetGraphs(target, pools, max_seqs=bounds[0], max_pages=bounds[1])
+                    graphs[bounds].run(key, tokens, **run_kwargs)
                 elif op[0] == "commit":
                     commit_verify(pools, _device_batch(op[1], device), op[2])
                 elif op[0] == "snapshots":
