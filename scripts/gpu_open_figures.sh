@@ -18,6 +18,7 @@
 #               the blocks' bytes
 #   serve35     34: ft serve 35B-A3B, 64 requests of 512 + 64 at 16 in flight: TTFT p50, ITL p99
 #   multiturn   33: the multi-turn chat with the prefix cache on and off on the 35B-A3B shape (TTFT of later turns)
+#   nccl        36: the raw NCCL communicator's collectives, eager and captured in a CUDA graph (one rank)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 mkdir -p /tmp/pkg/dflash2 && for p in reference fast bench train models cli; do ln -sfn "$PWD/$p" /tmp/pkg/dflash2/$p; done
@@ -64,6 +65,8 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
       --model bench/shapes/qwen3.5-35b-a3b --speculative-algorithm dflash \
       --speculative-draft-model-path bench/shapes/qwen3.5-35b-a3b-dflash2 --load-format dummy \
       --max-running-requests 8 --max-model-len 4096 ;;
+    nccl) step "$stage" 60 python3 -m pytest -q -p no:cacheprovider conformance/gpu/test_nccl_capture.py \
+      conformance/gpu/test_tp_cuda.py ;;
     *) echo "unknown stage $stage" >> "$O/steps.txt" ;;
   esac
 done

@@ -11,8 +11,9 @@ its pools (``tp``); ``engine/tp/workers.py`` starts the other ranks and says wha
 proposer runs on rank 0 only and unsharded (vLLM and SGLang shard theirs with the target): a draft step then costs
 its one-GPU time with no collective in it, and the workers need no proposer messages; the price is rank 0's memory
 for a full-vocabulary copy of the embedding and LM head beside its slices (which the draft and the MTP head read)
-and, with MTP, a full MTP layer and its K/V at every head. Under tp > 1 for now: every step eager and no
-GGUF-quantized target (:func:`tp_settings`, :func:`check_tp_target`, ``EngineConfig``).
+and, with MTP, a full MTP layer and its K/V at every head. Under tp > 1 for now: the target's forwards are captured
+(``TargetGraphs``, mirrored on the workers) but a speculative step is not captured whole (its proposer is rank 0's),
+and no GGUF-quantized target (:func:`check_tp_target`, ``EngineConfig``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def load_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
     """``tp`` (tensor_parallel_size > 1): this rank's group; the target is this rank's shard (on cuda:rank under
     CUDA), the caches are sized per rank from its ``local_cfg`` and the page count is the minimum over the ranks."""
     tp = tp or TPGroup.single()
-    cfg = tp_settings(config.resolved())
+    cfg = config.resolved()
     torch.manual_seed(cfg.seed)
     configure(LaunchSettings(pdl=cfg.pdl, l2_prefetch=cfg.l2_prefetch))  # before any kernel is launched
     device, dtype = torch.device(cfg.device), cfg.torch_dtype
@@ -187,20 +188,6 @@ def load_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
     snapshots = StateSnapshots(pools, proposer, num_snapshots + num_checkpoints) if num_snapshots else None
     return LoadedModel(cfg, target_cfg, target, pools, proposer, k, max_model_len, plan, tokenizer,
                        stop_token_ids, snapshots, num_checkpoints, load)
-
-
-def tp_settings(cfg: EngineConfig) -> EngineConfig:
-    """Under tensor_parallel_size > 1: every step eager, logged. The captured target forwards are mirrored on the
-    workers (``TPWorkers.graph_run``; the CPU lane runs that path without a capture), but the layers' collectives go
-    through torch.distributed's NCCL process group, whose per-collective host bookkeeping is not replayed by a CUDA
-    graph: capturing them needs a capture-safe communicator (raw NCCL calls, as vLLM's and SGLang's pynccl), which
-    is not written yet."""
-    if cfg.tensor_parallel_size == 1:
-        return cfg
-    if not cfg.enforce_eager and cfg.device.startswith("cuda"):
-        logger.info("tensor_parallel_size=%d: enforce_eager (the collectives are not capture-safe yet)",
-                    cfg.tensor_parallel_size)
-    return replace(cfg, enforce_eager=True)
 
 
 def _min_over_ranks(value: int, tp: TPGroup, device: torch.device) -> int:

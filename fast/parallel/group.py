@@ -3,7 +3,8 @@
 ``all_reduce`` sums a row-parallel projection's partial outputs (``y = sum_r W[:, cols_r] x[cols_r]``);
 ``all_gather`` concatenates the vocabulary slices of the logits. At size 1 both are the identity and
 touch no process group, so a tp=1 target runs exactly the ops it ran before tensor parallelism existed.
-The same calls run over gloo (CPU) and NCCL (CUDA): torch.distributed picks by the group's backend.
+On the CPU both go through torch.distributed (gloo); on CUDA through a raw NCCL communicator
+(``parallel/nccl.py``), which a CUDA graph can capture.
 """
 
 from __future__ import annotations
@@ -14,12 +15,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .nccl import NcclComm
+
 
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None  # None: the default group (size > 1) or no group at all (size 1)
+    # CUDA: the capture-safe communicator (parallel/nccl.py) the collectives go through instead of ``group``, so a
+    # CUDA graph of a sharded step replays them; None: torch.distributed over ``group`` (gloo on the CPU)
+    nccl: NcclComm | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -31,12 +37,12 @@ class TPGroup:
         return cls()
 
     @classmethod
-    def from_process_group(cls, group: dist.ProcessGroup | None = None) -> TPGroup:
+    def from_process_group(cls, group: dist.ProcessGroup | None = None, nccl: NcclComm | None = None) -> TPGroup:
         """This process's rank in ``group`` (default: the world group; ``init_process_group`` must have run)."""
         if not dist.is_initialized():
             raise RuntimeError("TPGroup.from_process_group: torch.distributed is not initialised "
                                "(call init_process_group first)")
-        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+        return cls(dist.get_rank(group), dist.get_world_size(group), group, nccl)
 
     @property
     def parallel(self) -> bool:
@@ -46,6 +52,8 @@ class TPGroup:
         """The sum of ``x`` over the ranks, in place (x is the fresh output of a projection); x at size 1."""
         if self.size == 1:
             return x
+        if self.nccl is not None:
+            return self.nccl.all_reduce(x)
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
 
@@ -53,6 +61,8 @@ class TPGroup:
         """``cat([x_0, ..., x_{size-1}], dim)``, every rank's ``x`` (same shape) in rank order; x at size 1."""
         if self.size == 1:
             return x
+        if self.nccl is not None:
+            return torch.cat(self.nccl.all_gather(x.contiguous()).unbind(0), dim=dim)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)

@@ -29,9 +29,8 @@ Nothing else needs sending: the proposer's state (DFlash ring and window, MTP pe
 only, and a freed slot's state is never read (a sequence at position 0 starts from zeros). ``("stop",)`` ends the
 loop (:meth:`TPWorkers.close`).
 
-Under tp > 1 for now: every step eager on CUDA (``startup.tp_settings``: the collectives are not capture-safe
-yet) and no GGUF-quantized target (``fast/model/params.py`` cannot cut quantized blocks); each is forced or refused
-at startup with its reason.
+Under tp > 1 for now: no GGUF-quantized target (``fast/model/params.py`` cannot cut quantized blocks), refused at
+startup with its reason.
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ from torch import Tensor
 
 from ...model.batch import ForwardBatch
 from ...parallel.group import TPGroup
+from ...parallel.nccl import NcclComm
 from ...speculative.commit import commit_verify
 from ..config import EngineConfig
 from ..graph_step import TargetGraphs
@@ -67,13 +67,16 @@ def _free_port() -> int:
 
 
 def _init(rank: int, size: int, port: int, device: str) -> tuple[TPGroup, object]:
-    """Join the group; returns (the rank's TPGroup, the gloo group the control messages go over)."""
+    """Join the group; returns (the rank's TPGroup, the gloo group the control messages go over). On CUDA the
+    model's collectives go through a raw NCCL communicator (``parallel/nccl.py``: capture-safe), its id sent over
+    the gloo group; torch.distributed's NCCL group serves the startup's few host-side reductions."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     control = dist.new_group(backend="gloo") if backend == "nccl" else None  # objects travel over the CPU
-    return TPGroup.from_process_group(), control
+    nccl = NcclComm.create(rank, size, torch.device("cuda", rank), control) if backend == "nccl" else None
+    return TPGroup.from_process_group(nccl=nccl), control
 
 
 def _host_batch(batch: ForwardBatch) -> ForwardBatch:
