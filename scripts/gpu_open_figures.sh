@@ -20,9 +20,7 @@
 #   multiturn   33: the multi-turn chat with the prefix cache on and off on the 35B-A3B shape (TTFT of later turns)
 #   nccl        36: the raw NCCL communicator's collectives, eager and captured in a CUDA graph (one rank)
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-mkdir -p /tmp/pkg/dflash2 && for p in reference fast bench train models cli; do ln -sfn "$PWD/$p" /tmp/pkg/dflash2/$p; done
-export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+. scripts/gpu_env.sh
 O=${OUT:-/tmp/open}/open
 mkdir -p "$O"
 T0=$(date +%s)

@@ -12,9 +12,7 @@
 # A device call runs at most 10 minutes and each ft bench up to about 280 s, so one part per call, and the 27B part
 # in two: PARTS=27b TPS="1 2", then PARTS=27b TPS=4 (TPS: the tensor-parallel sizes a part runs; default all).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-mkdir -p /tmp/pkg/dflash2 && for p in reference fast bench train models cli; do ln -sfn "$PWD/$p" /tmp/pkg/dflash2/$p; done
-export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+. scripts/gpu_env.sh
 O=${OUT:-/tmp/tp}/tp
 mkdir -p "$O"
 GPUS=$(nvidia-smi -L | wc -l)
