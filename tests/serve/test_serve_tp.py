@@ -1,10 +1,12 @@
 """``ft serve`` over a tensor-parallel engine (tensor_parallel_size=2, gloo on the CPU): the server's engine thread
-drives rank 0 and its broadcasts, so concurrent completions come back as a tp=1 server's do (greedy), and the worker
-process exits when the engine is closed."""
+drives rank 0 and its broadcasts, so concurrent completions come back as a tp=1 server's do (greedy; plain decoding
+and DFlash), and the worker process exits when the engine is closed."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 from serve_harness import MODEL, start
 
@@ -21,13 +23,14 @@ def _completions(live) -> list[str]:
         return list(pool.map(one, PROMPTS))
 
 
-def test_tensor_parallel_server_answers_as_one_rank(tiny):
-    single = start(tiny)
+@pytest.mark.parametrize("algorithm", ["none", "dflash"])
+def test_tensor_parallel_server_answers_as_one_rank(tiny, algorithm):
+    single = start(tiny, speculative_algorithm=algorithm)
     try:
         want = _completions(single)
     finally:
         single.stop()
-    live = start(tiny, tensor_parallel_size=2)
+    live = start(tiny, tensor_parallel_size=2, speculative_algorithm=algorithm)
     workers = live.engine.workers
     try:
         assert workers is not None and all(p.is_alive() for p in workers.processes)
