@@ -6,6 +6,9 @@ inside each row-parallel projection differs, so, on these tiny targets:
 
 - greedy tokens (EXACT): plain decoding, MTP and DFlash on the dense and MoE targets at tp=2, DFlash on a variant
   with every head count divisible by 4 at tp=4, the same tokens as tp=1, and the same tokens per verify step;
+- accepted drafts committed on every rank: with an oracle proposer that peeks at the target (``oracle_drafts.py``:
+  accepts, corrects and bonuses at many places; the tiny random drafts accept nothing), tp=2 gives tp=1's tokens
+  and tokens per step, which a worker keeping the wrong rows of a verify would break;
 - the prefix cache under tp=2: a hit on a snapshot made during prefill and a chat's second turn resumed on the
   first turn's finish snapshot give a cold tp=1 engine's tokens (the workers' snapshot slots and copied pages
   mirror rank 0's, or the resumed GDN state would be wrong on their heads);
@@ -34,6 +37,7 @@ from dflash2.reference.request.sampling_params import SamplingParams
 from dflash2.reference.speculative.sampling import target_probs
 from dflash2.reference.tiny.draft import write_tiny_draft
 from dflash2.reference.tiny.target import PRESETS, write_tiny_target
+from oracle_drafts import PeekingDrafter
 
 # heads divisible by 4 (H 8, Hkv 4, Hk 4, Hv 8), as conformance/layers/test_tp_target.py's tp=4 variants
 WIDE_HEADS = dict(num_attention_heads=8, num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=8)
@@ -85,6 +89,25 @@ def test_greedy_tokens_equal_tp1(checkpoints, preset, algorithm, tp):
         engine.close()
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     # the same acceptance: the rank-0 proposer read the same taps and the workers' commits kept the same rows
+    assert [(o.verify_steps, o.num_emitted) for o in got] == [(o.verify_steps, o.num_emitted) for o in expected]
+
+
+def test_accepted_drafts_are_committed_on_every_rank(checkpoints):
+    oracle = ReferenceTarget(*load_target(checkpoints("tiny-dense")[0]))
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.9, seed=4, ignore_eos=True)]
+
+    def run(tp: int):
+        engine = llm(checkpoints, "tiny-dense", "mtp", tp, speculative_depth="fixed", prefix_caching=False)
+        engine.engine.runner.spec.proposer = PeekingDrafter(oracle)  # rank 0's proposer, as the MTP head is
+        try:
+            return generate(engine, PROMPTS, params)
+        finally:
+            engine.close()
+
+    expected, got = run(1), run(2)
+    assert sum(o.num_emitted for o in got) >= 2 * sum(o.verify_steps for o in got), "the oracle's drafts accept"
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     assert [(o.verify_steps, o.num_emitted) for o in got] == [(o.verify_steps, o.num_emitted) for o in expected]
 
 

@@ -152,7 +152,7 @@ class Engine:
                 model = load_model(config, tp=self.workers.tp)
             except BaseException as e:
                 dead = self.workers.dead()
-                self.workers.close()
+                self.workers.close(abort=True)  # a worker may wait in a startup collective rank 0 left
                 if dead and not isinstance(e, ConfigError):  # rank 0 saw a broken collective: say whose fault
                     raise RuntimeError(f"tensor parallelism: {', '.join(dead)} failed at startup (its traceback is "
                                        "on stderr above)") from e

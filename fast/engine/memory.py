@@ -196,8 +196,9 @@ def forward_peak_bytes(target: FastTarget, rows: int, *, page_size: int, max_ver
     The pools of the forward (one slot, the pages of ``rows`` tokens) are allocated before the level is read,
     so they are not counted; they are freed afterwards."""
     device = target.device
-    pools = CachePools(target.cfg, pages_for(rows, page_size), page_size, 1, max_verify_rows, target.dtype, device,
-                       mtp=mtp)
+    # the rank's heads (local_cfg: target.cfg at tp=1); an MTP layer, unsharded, has the model's
+    pools = CachePools(target.local_cfg, pages_for(rows, page_size), page_size, 1, max_verify_rows, target.dtype,
+                       device, mtp=mtp, mtp_cfg=target.cfg)
     tokens = torch.arange(rows, device=device) % target.cfg.vocab_size
     batch = ForwardBatch(
         token_ids=tokens, positions=torch.arange(rows, device=device),

@@ -102,9 +102,10 @@ def load_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
     if cfg.speculative_algorithm == "mtp":
         k = resolve_mtp_k(target_cfg, cfg.speculative_num_steps)
     elif cfg.speculative_algorithm == "dflash":
-        if dummy:
+        if dummy or tp.rank > 0:  # a worker needs the draft's config (k, validated) and not its weights
             draft_cfg = draft_config(cfg.speculative_draft_model_path, target_cfg, cfg.speculative_num_steps)
-            draft_weights = dummy_draft_weights(draft_cfg, seed=cfg.seed + 1, dtype=dtype, device=device)
+            if tp.rank == 0:
+                draft_weights = dummy_draft_weights(draft_cfg, seed=cfg.seed + 1, dtype=dtype, device=device)
         else:
             draft_cfg, draft_weights = load_draft(cfg.speculative_draft_model_path, target_cfg,
                                                   cfg.speculative_num_steps)
@@ -136,36 +137,41 @@ def load_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
                     (load[1] - load[0]) / 2**30)
 
     num_slots = cfg.max_running_req
-    ring_bytes, window_bytes = dflash_slot_bytes(draft_cfg, dtype) if draft_cfg is not None else (0, 0)
+    # the proposer's per-slot state (DFlash ring and window) and temporaries: rank 0's alone
+    ring_bytes, window_bytes = dflash_slot_bytes(draft_cfg, dtype) if draft is not None else (0, 0)
     use_mtp = cfg.speculative_algorithm == "mtp"
     mtp_kv = use_mtp and proposes  # the MTP layer's K/V: rank 0's, at every head (the layer is unsharded)
     activations = graph_pools_bytes = 0
     if device.type == "cuda":  # the largest prefill chunk's temporaries and the graphs' pools stay out of the caches
-        graph_pools = 0 if cfg.enforce_eager or not target.capturable() else (2 if cfg.speculative else 1)
+        # whole speculative steps have a pool of their own, except under tp (they are not captured there)
+        whole_steps = cfg.speculative and not tp.parallel
+        graph_pools = 0 if cfg.enforce_eager or not target.capturable() else (2 if whole_steps else 1)
         activations, graph_pools_bytes = activation_bytes(
             target, max_num_batched_tokens=cfg.max_num_batched_tokens, max_step_rows=num_slots * (k + 1),
-            graph_pools=graph_pools, page_size=cfg.page_size, max_verify_rows=k + 1, mtp=use_mtp)
+            graph_pools=graph_pools, page_size=cfg.page_size, max_verify_rows=k + 1, mtp=mtp_kv)
     budget = cache_budget_bytes(cfg, device) - activations - graph_pools_bytes
     state_bytes = gdn_bytes_per_slot(local_cfg, dtype) + verify_bytes_per_seq(local_cfg, dtype, k + 1)
     # on CUDA the budget is everything within memory_ratio, so the draft's temporaries come out of it;
     # on CPU cpu_cache_bytes budgets the caches alone
-    workspace = 0 if draft_cfg is None or device.type != "cuda" else dflash_workspace_bytes(
+    workspace = 0 if draft is None or device.type != "cuda" else dflash_workspace_bytes(
         draft_cfg, dtype, max_num_batched_tokens=cfg.max_num_batched_tokens, num_slots=num_slots)
     num_snapshots = snapshot_bytes = num_checkpoints = 0
     if cfg.prefix_caching:  # a snapshot slot: the GDN state and what the proposer saves (window or pending row)
-        saved = window_bytes if draft_cfg is not None else target_cfg.hidden_size * _itemsize(dtype) if use_mtp else 0
+        saved = window_bytes if draft is not None else target_cfg.hidden_size * _itemsize(dtype) if mtp_kv else 0
         snapshot_bytes = gdn_bytes_per_slot(local_cfg, dtype) + saved
         free = budget - num_slots * (state_bytes + ring_bytes + window_bytes) - workspace
         num_snapshots = snapshot_count(cfg.prefix_snapshots, free_bytes=free, snapshot_bytes=snapshot_bytes,
                                        num_slots=num_slots)
         if tp.parallel:  # rank 0's cache hands out snapshot slots every rank holds: the fewest any rank fits
-            num_snapshots = _min_over_ranks(num_snapshots, tp, device)
+            num_snapshots = _min_over_ranks(num_snapshots, tp)
         if not num_snapshots:
             logger.warning("prefix caching is off: the cache budget leaves no room for one %.1f MiB snapshot slot "
                            "(raise memory_ratio / cpu_cache_bytes, or set prefix_snapshots)", snapshot_bytes / 2**20)
-        elif cfg.overlap_schedule and cfg.speculative:  # one checkpoint per request slot (engine/checkpoints.py)
-            num_checkpoints = num_slots
-    plan = plan_memory(
+        elif cfg.overlap_schedule and cfg.speculative and not tp.parallel:  # one per request slot (checkpoints.py;
+            num_checkpoints = num_slots  # under tp no step is launched ahead: a finish is at its frontier)
+    plan_error = None
+    try:
+        plan = plan_memory(
         budget, page_size=cfg.page_size, num_slots=num_slots, max_model_len=max_model_len,
         kv_bytes_per_token=kv_bytes_per_token(local_cfg, dtype, mtp_kv, mtp_cfg=target_cfg),
         state_bytes_per_slot=state_bytes,
@@ -174,8 +180,18 @@ def load_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
         num_snapshots=num_snapshots + num_checkpoints, snapshot_bytes=snapshot_bytes,
         activation_bytes=activations, graph_pool_bytes=graph_pools_bytes,
         device_total_bytes=torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
+    except ConfigError as e:
+        if not tp.parallel:
+            raise
+        plan_error = e
     if tp.parallel:  # every rank holds the pages rank 0's scheduler hands out: the fewest any rank fits
-        plan = replace(plan, num_pages=_min_over_ranks(plan.num_pages, tp, device))
+        pages = _min_over_ranks(0 if plan_error is not None else plan.num_pages, tp)  # every rank reaches this
+        if plan_error is not None:
+            raise plan_error
+        if not pages:
+            raise ConfigError(f"tensor_parallel_size={tp.size}: another rank's cache budget holds no KV page (its "
+                              "error, naming what to change, is in its log)")
+        plan = replace(plan, num_pages=pages)
     log_plan(plan, draft_ring_bytes=ring_bytes, draft_window_bytes=window_bytes)
     pools = CachePools(local_cfg, plan.num_pages, cfg.page_size, num_slots, k + 1, dtype, device,
                        mtp=mtp_kv, mtp_cfg=target_cfg)
@@ -190,9 +206,11 @@ def load_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
                        stop_token_ids, snapshots, num_checkpoints, load)
 
 
-def _min_over_ranks(value: int, tp: TPGroup, device: torch.device) -> int:
-    count = torch.tensor([value], device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.group)
+def _min_over_ranks(value: int, tp: TPGroup) -> int:
+    """The minimum of ``value`` over the ranks, over the host group (gloo): a rank that died makes this raise on the
+    others rather than wait in a device collective."""
+    count = torch.tensor([value])
+    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.host_group)
     return int(count.item())
 
 

@@ -26,6 +26,9 @@ class TPGroup:
     # CUDA: the capture-safe communicator (parallel/nccl.py) the collectives go through instead of ``group``, so a
     # CUDA graph of a sharded step replays them; None: torch.distributed over ``group`` (gloo on the CPU)
     nccl: NcclComm | None = None
+    # a CPU (gloo) group over the same ranks for host-side reductions (startup's counts): None, ``group`` itself,
+    # which is gloo wherever no separate one is given
+    host: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -37,12 +40,23 @@ class TPGroup:
         return cls()
 
     @classmethod
-    def from_process_group(cls, group: dist.ProcessGroup | None = None, nccl: NcclComm | None = None) -> TPGroup:
+    def from_process_group(cls, group: dist.ProcessGroup | None = None, nccl: NcclComm | None = None,
+                           host: dist.ProcessGroup | None = None) -> TPGroup:
         """This process's rank in ``group`` (default: the world group; ``init_process_group`` must have run)."""
         if not dist.is_initialized():
             raise RuntimeError("TPGroup.from_process_group: torch.distributed is not initialised "
                                "(call init_process_group first)")
-        return cls(dist.get_rank(group), dist.get_world_size(group), group, nccl)
+        return cls(dist.get_rank(group), dist.get_world_size(group), group, nccl, host)
+
+    @property
+    def host_group(self) -> dist.ProcessGroup | None:
+        """The group for reductions of CPU tensors."""
+        return self.host if self.host is not None else self.group
+
+    def close(self) -> None:
+        """Destroy the NCCL communicator, if any (the process group is torch.distributed's to destroy)."""
+        if self.nccl is not None:
+            self.nccl.close()
 
     @property
     def parallel(self) -> bool:

@@ -220,6 +220,8 @@ class EngineLoop:
         try:
             deltas = engine.step()
         except Exception as exc:  # noqa: BLE001 - one bad step fails the requests in it, not the server
+            if engine.workers is not None:  # tensor parallelism: the other ranks may be mid-collective: fatal
+                raise
             logger.exception("an engine step failed; failing the requests it ran")
             message = f"internal error in an engine step: {type(exc).__name__}: {exc}"
             deltas = engine.fail_running(message)

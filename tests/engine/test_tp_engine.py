@@ -67,6 +67,45 @@ def test_refusals(tmp_path):
         LLM(str(gguf), tensor_parallel_size=2, **KWARGS)
 
 
+STARTUP = """
+import sys, torch
+from dflash2.fast.llm import LLM
+from dflash2.reference.formats.errors import ConfigError
+try:
+    LLM(sys.argv[1], tensor_parallel_size=2, speculative_algorithm="mtp", dtype=torch.float32, device="cpu",
+        max_running_req=2, page_size=4, max_num_batched_tokens=16, cpu_cache_bytes=int(sys.argv[2]),
+        prefix_caching=False)
+except ConfigError as e:
+    print("ConfigError:", e)
+"""
+
+
+def test_a_budget_only_the_workers_fit_is_refused_not_hung(tmp_path):
+    """Rank 0 holds more per token than a worker (the unsharded MTP layer's K/V): a cpu_cache_bytes with room for
+    a worker's page and not for rank 0's must end in rank 0's ConfigError on every rank, not in a rank waiting for
+    the others in a startup collective (run in a subprocess, so a hang fails the test instead of the lane)."""
+    import subprocess
+    import sys
+
+    from dflash2.fast.parallel.plan import rank_config
+    from dflash2.fast.model.pools import gdn_bytes_per_slot, kv_bytes_per_token, verify_bytes_per_seq
+    from dflash2.reference.formats.checkpoint import target_config
+
+    path = write_tiny_target(tmp_path / "ckpt", "tiny-dense", tokenizer=None)
+    cfg = target_config(path)
+    local = rank_config(cfg, 2)
+    k = 3  # the MTP default
+    slots = 2 * (gdn_bytes_per_slot(local, torch.float32) + verify_bytes_per_seq(local, torch.float32, k + 1))
+    rank0_page = 4 * kv_bytes_per_token(local, torch.float32, True, mtp_cfg=cfg)
+    worker_page = 4 * kv_bytes_per_token(local, torch.float32, False)
+    assert worker_page < rank0_page
+    budget = slots + (worker_page + rank0_page) // 2
+    done = subprocess.run([sys.executable, "-c", STARTUP, str(path), str(budget)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ConfigError: cpu_cache_bytes" in done.stdout and f"({rank0_page} bytes each)" in done.stdout
+
+
 def test_the_flag(tmp_path):
     import argparse
 

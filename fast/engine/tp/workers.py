@@ -76,7 +76,7 @@ def _init(rank: int, size: int, port: int, device: str) -> tuple[TPGroup, object
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     control = dist.new_group(backend="gloo") if backend == "nccl" else None  # objects travel over the CPU
     nccl = NcclComm.create(rank, size, torch.device("cuda", rank), control) if backend == "nccl" else None
-    return TPGroup.from_process_group(nccl=nccl), control
+    return TPGroup.from_process_group(nccl=nccl, host=control), control
 
 
 def _host_batch(batch: ForwardBatch) -> ForwardBatch:
@@ -129,13 +129,17 @@ class TPWorkers:
         """Queue ``StateSnapshots.<method>(*args)`` on the workers' snapshot slots (:class:`MirroredSnapshots`)."""
         self.pending.append(("snapshots", method, args))
 
-    def close(self) -> None:
-        """Stop the workers (they exit their loop), join them and destroy the process group; idempotent."""
+    def close(self, abort: bool = False) -> None:
+        """Stop the workers (they exit their loop), join them and destroy the process group; idempotent. ``abort``
+        (a failed startup: a worker may be waiting in a collective rank 0 will never join): terminate them."""
         if self.closed:
             return
         self.closed = True
         try:
-            if all(p.is_alive() for p in self.processes):
+            if abort:
+                for p in self.processes:
+                    p.terminate()
+            elif all(p.is_alive() for p in self.processes):
                 self._send([("stop",)])
         except RuntimeError as e:  # a worker died first (its own error is on its stderr): join what is left
             logger.warning("tensor-parallel workers: the stop message failed (%s)", e)
@@ -147,6 +151,7 @@ class TPWorkers:
                                    JOIN_SECONDS)
                     p.terminate()
                     p.join(JOIN_SECONDS)
+            self.tp.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -229,4 +234,5 @@ def worker_main(rank: int, size: int, port: int, config: EngineConfig) -> None:
                 else:
                     raise RuntimeError(f"tensor-parallel rank {rank}: unknown message {op[0]!r}")
     finally:
+        tp.close()
         dist.destroy_process_group()
