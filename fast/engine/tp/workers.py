@@ -9,8 +9,8 @@ same ``load_model`` (pools from the rank's ``local_cfg``; the page and snapshot 
 and then loops in :func:`worker_main`.
 
 What is sent, and when: a worker's only state is its cache pools (KV pages, GDN state slots, the verify scratch)
-and, with prefix caching, its snapshot slots. Four operations change them, always at indices (pages, slots,
-snapshot slots) rank 0's scheduler chose:
+and, with prefix caching, its snapshot slots. Three kinds of operation change them, always at indices (pages,
+slots, snapshot slots) rank 0's scheduler chose:
 
 - the target's forward (prefill chunk, decode, verify): the ``ForwardBatch`` carries the indices;
 - the commit of a verify step (``speculative/commit.commit_verify``): the batch and each sequence's kept rows;
@@ -21,10 +21,10 @@ A forward that rank 0 replays from its ``TargetGraphs`` (a decode, a verify's fo
 (captured on first use, as rank 0's), so the padded buckets and static buffers agree rank by rank. Whole
 speculative-step graphs (``StepGraphs``) are not used under tp > 1: they hold the proposer, which is rank 0's.
 
-Rank 0 queues the last three (:meth:`TPWorkers.commit`, :class:`MirroredSnapshots`) and sends the queue with the
-next forward, as one message (``[op, ..., ("forward", batch)]``) over a gloo group, before its own forward: a
-worker applies the ops in rank 0's order, then runs the forward, whose all-reduces and all-gathers pair up with
-rank 0's. So a step costs one broadcast, and a worker's pools equal what rank 0's would be at tp=1, rank by rank.
+Rank 0 queues the commits and the snapshot operations (:meth:`TPWorkers.commit`, :class:`MirroredSnapshots`) and
+sends the queue with the next forward, as one message (``[op, ..., ("forward", batch)]``) over a gloo group, before
+its own forward: a worker applies the ops in rank 0's order, then runs the forward, whose all-reduces and
+all-gathers pair up with rank 0's. So a step costs one broadcast, and a worker's pools equal what rank 0's would be at tp=1, rank by rank.
 Nothing else needs sending: the proposer's state (DFlash ring and window, MTP pending rows and K/V) lives on rank 0
 only, and a freed slot's state is never read (a sequence at position 0 starts from zeros). ``("stop",)`` ends the
 loop (:meth:`TPWorkers.close`).
@@ -43,7 +43,6 @@ from dataclasses import fields, replace
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from torch import Tensor
 
 from ...model.batch import ForwardBatch
