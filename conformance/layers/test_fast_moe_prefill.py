@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash2.fast.kernels.common.dispatch import forced_gpu
-from dflash2.fast.kernels.common.triton_compat import HAS_TRITON
+from dflash2.fast.kernels.common.triton_compat import HAS_TRITON, INTERPRETED
 from dflash2.fast.kernels.moe import moe, moe_grouped
 from dflash2.fast.model.moe import SHARED_PAIR_ROWS, FastMoE
 from dflash2.fast.model.params import Params
@@ -28,6 +28,7 @@ def rms_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the GPU forms need triton")
+@pytest.mark.skipif(not INTERPRETED, reason="runs the GPU forms on CPU tensors in Triton's interpreter (on a CUDA machine the kernels compile for the device)")
 @pytest.mark.parametrize("shared_width", [20, 28], ids=["shared_as_expert", "shared_of_another_width"])
 def test_prefill_chunk_goes_through_the_grouped_gemm(monkeypatch, shared_width):
     spec = TinyTargetSpec(kind="moe", num_layers=2, full_attention_interval=2, num_experts=9, num_experts_per_tok=3,

@@ -19,7 +19,7 @@ import torch
 from ops_helpers import NUMERIC_BOUND, MoECase as Case
 
 from dflash2.fast.kernels.common.dispatch import forced_gpu
-from dflash2.fast.kernels.common.triton_compat import HAS_TRITON
+from dflash2.fast.kernels.common.triton_compat import HAS_TRITON, INTERPRETED
 from dflash2.fast.kernels.moe import moe, moe_grouped
 from dflash2.fast.kernels.moe.moe import moe_experts, moe_experts_gpu, moe_experts_torch
 from dflash2.fast.kernels.moe.moe_grouped import (ExpertAlignment, GroupedBlocks, align_by_expert,
@@ -206,6 +206,7 @@ def test_op_sends_more_than_max_triton_pairs_to_the_grouped_form(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the GPU forms need triton")
+@pytest.mark.skipif(not INTERPRETED, reason="runs the GPU forms on CPU tensors in Triton's interpreter (on a CUDA machine the kernels compile for the device)")
 def test_op_runs_the_grouped_form_past_the_bound(monkeypatch):
     """Under forced_gpu (the interpreter), with the bound lowered to 16 pairs: a 39-pair call goes through the
     grouped GEMM and returns its bits; a 3-pair call keeps the per-pair kernels."""

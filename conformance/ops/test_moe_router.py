@@ -18,7 +18,7 @@ import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
 from dflash2.fast.kernels.common.dispatch import forced_gpu
-from dflash2.fast.kernels.common.triton_compat import HAS_TRITON
+from dflash2.fast.kernels.common.triton_compat import HAS_TRITON, INTERPRETED
 from dflash2.fast.kernels.moe.moe_router import RouterBlocks, default_blocks, route_torch, route_triton
 from dflash2.fast.kernels.moe.moe_router import route
 from dflash2.reference.model.moe import route as reference_route
@@ -138,6 +138,7 @@ def test_route_default_dispatch_on_cpu():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the GPU form needs triton")
+@pytest.mark.skipif(not INTERPRETED, reason="runs the GPU forms on CPU tensors in Triton's interpreter (on a CUDA machine the kernels compile for the device)")
 def test_route_takes_a_prefill_chunk_on_the_gpu_form(report):
     """The op's GPU form takes every row count: a prefill chunk routes by the kernels, as decode and verify steps
     do (under forced_gpu on the CPU: the interpreter). A 4096-row chunk picks the kernels; 100 rows (seven
