@@ -14,8 +14,11 @@ synchronisation, each the slowest rank's (an all-reduce ends when the last rank'
 
 busbw is nccl-tests' figure: the bytes a ring all-reduce moves through each rank's link per second, comparable to
 the link's peak and across N. The floor divides ring bus bytes by it. Each call is an eager ``dist.all_reduce`` from
-Python, as the engine's eager steps call it, so a small message's time is mostly latency: its busbw is far below the
-16 MiB figure, which is why each step's collectives are measured at their own sizes.
+Python, so a small message's time is mostly latency: its busbw is far below the 16 MiB figure, which is why each
+step's collectives are measured at their own sizes. The engine's CUDA ranks call NCCL directly
+(fast/parallel/nccl.py), inside CUDA graphs for decode and verify forwards, so they pay less host latency per
+collective than measured here: for those steps the all-reduce term overestimates, so their share of the floor
+flatters them.
 """
 
 from __future__ import annotations

@@ -16,13 +16,12 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from dflash2.reference.speculative.dflash import DFlashProposer
 from dflash2.reference.speculative.mtp import MTPProposer
 from dflash2.reference.speculative.ngram import NgramProposer
 from dflash2.reference.speculative.proposer import Proposal
-from dflash2.reference.speculative.sampling import target_probs
+from dflash2.reference.speculative.law import exact_sequence_law, worst_deviation
 from dflash2.reference.request.sampling_params import SamplingParams
 from dflash2.reference.speculative.loop import speculative_generate
 
@@ -37,34 +36,12 @@ def sampling(seed: int) -> SamplingParams:
 
 
 def exact_law(target) -> dict[tuple[int, ...], float]:
-    law: dict[tuple[int, ...], float] = {(): 1.0}
-    for _ in range(NUM_TOKENS):
-        grown = {}
-        for prefix, mass in law.items():
-            p = target_probs(target.forward(torch.tensor(PROMPT + list(prefix))).logits[-1], sampling(0))
-            for t in torch.nonzero(p).flatten().tolist():
-                grown[prefix + (t,)] = mass * float(p[t])
-        law = grown
-    return law
+    return exact_sequence_law(target, PROMPT, NUM_TOKENS, sampling(0))
 
 
-def empirical_law(target, new_proposer, runs: int) -> dict[tuple[int, ...], float]:
-    counts: dict[tuple[int, ...], int] = {}
-    for seed in range(runs):
-        out = speculative_generate(target, new_proposer(), PROMPT, sampling(seed), k=2).token_ids
-        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
-    return {cell: n / runs for cell, n in counts.items()}
-
-
-def worst_deviation(exact, empirical, runs: int) -> float:
-    """The largest |empirical - exact| in standard errors, over every cell either law gives mass."""
-    worst = 0.0
-    for cell in set(exact) | set(empirical):
-        p, f = exact.get(cell, 0.0), empirical.get(cell, 0.0)
-        if p == 0.0:
-            return math.inf  # a sequence the target cannot produce
-        worst = max(worst, abs(f - p) / math.sqrt(p * (1 - p) / runs))
-    return worst
+def sampled_outputs(target, new_proposer, runs: int) -> list[tuple[int, ...]]:
+    return [tuple(speculative_generate(target, new_proposer(), PROMPT, sampling(seed), k=2).token_ids)
+            for seed in range(runs)]
 
 
 class MisreportingProposer(NoisyTargetProposer):
@@ -88,12 +65,12 @@ def test_committed_tokens_follow_the_target_law(stack, name, runs):
     }[name]
     exact = exact_law(target)
     assert math.isclose(sum(exact.values()), 1.0, rel_tol=1e-5)
-    assert worst_deviation(exact, empirical_law(target, new_proposer, runs), runs) < 5.0
+    assert worst_deviation(exact, sampled_outputs(target, new_proposer, runs)) < 5.0
 
 
 @pytest.mark.parametrize("stack", ["tiny-dense"], indirect=True)
 def test_planted_bug_misreported_q_breaks_the_law(stack):
     runs = 800
-    law = empirical_law(stack.target, lambda: MisreportingProposer(stack.target), runs)
-    assert worst_deviation(exact_law(stack.target), law, runs) > 5.0
+    outputs = sampled_outputs(stack.target, lambda: MisreportingProposer(stack.target), runs)
+    assert worst_deviation(exact_law(stack.target), outputs) > 5.0
 
