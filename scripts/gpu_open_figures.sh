@@ -18,6 +18,7 @@
 #               the blocks' bytes
 #   serve35     34: ft serve 35B-A3B, 64 requests of 512 + 64 at 16 in flight: TTFT p50, ITL p99
 #   multiturn   33: the multi-turn chat with the prefix cache on and off on the 35B-A3B shape (TTFT of later turns)
+#   trace27     32: the 27B DFlash k=7 and plain steps at 16 requests kernel by kernel (scripts/diag/step_trace.py)
 #   nccl        36: the raw NCCL communicator's collectives, eager and captured in a CUDA graph (one rank)
 set -uo pipefail
 . scripts/gpu_env.sh
@@ -63,6 +64,9 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
       --model bench/shapes/qwen3.5-35b-a3b --speculative-algorithm dflash \
       --speculative-draft-model-path bench/shapes/qwen3.5-35b-a3b-dflash2 --load-format dummy \
       --max-running-requests 8 --max-model-len 4096 ;;
+    trace27) for setting in dflash7 off; do step "$stage-$setting" 150 python3 scripts/diag/step_trace.py \
+      --model bench/shapes/qwen3.5-27b --draft bench/shapes/qwen3.5-27b-dflash2 --setting $setting --requests 16 \
+      --prompt-len 512 --list 0 --out "$O/trace27-$setting.json"; done ;;
     nccl) step "$stage" 60 python3 -m pytest -q -p no:cacheprovider conformance/gpu/test_nccl_capture.py \
       conformance/gpu/test_tp_cuda.py ;;
     *) echo "unknown stage $stage" >> "$O/steps.txt" ;;

@@ -4,7 +4,8 @@
         --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --prompt-len 512 --out trace.json
 
 Builds the engine as ``ft bench`` does (dummy weights, simulated acceptance for speculative
-settings), generates once so the steps are captured, then replays the one-request step (the decode
+settings), generates once so the steps are captured, then replays the step of ``--requests`` requests
+(one by default; the smallest captured batch that holds them) (the decode
 forward for ``off``, the whole speculative step otherwise; each a few graphs, fast/model/capture.py)
 and, for DFlash, a graph of the draft's propose alone, under the torch profiler. Reports per step:
 the CUDA-event time of a replay, the sum of its kernels' times (the difference is the GPU's idle
@@ -299,6 +300,7 @@ def main() -> int:
     p.add_argument("--draft", default=None)
     p.add_argument("--setting", default="off", choices=sorted(SETTINGS))
     p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--requests", type=int, default=1, help="requests in the batch whose step is traced")
     p.add_argument("--tokens-per-step", type=float, default=5.4)
     p.add_argument("--list", type=int, default=120, help="kernels to print in launch order")
     p.add_argument("--out", default=None)
@@ -312,7 +314,7 @@ def main() -> int:
                    "in this many interleaved rounds")
     args = p.parse_args()
     algorithm, k = SETTINGS[args.setting]
-    llm = LLM(args.model, max_running_req=1, load_format="dummy", seed=0, speculative_algorithm=algorithm,
+    llm = LLM(args.model, max_running_req=args.requests, load_format="dummy", seed=0, speculative_algorithm=algorithm,
               speculative_num_steps=k, speculative_draft_model_path=args.draft if algorithm == "dflash" else None,
               max_model_len=args.prompt_len + max(128, args.ab_tokens) + 64)
     runner = llm.engine.runner
@@ -323,22 +325,24 @@ def main() -> int:
         runner.verify = lambda plan, *a, **kw: simulated.next_step() or verify(plan, *a, **kw)
     vocab = llm.engine.model.target_cfg.vocab_size
     prompt = torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    llm.generate([prompt] * args.requests, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     torch.cuda.synchronize()
     results = []
     graphs = runner.step_graphs if algorithm != "none" else runner.graphs
-    steps = [(key, step) for key, step in graphs.graphs.items() if key.num_seqs == 1]
+    sizes = [key.num_seqs for key in graphs.graphs if key.num_seqs >= args.requests]
+    steps = [(key, step) for key, step in graphs.graphs.items() if sizes and key.num_seqs == min(sizes)]
     if not steps:
-        sys.exit(f"no one-request graph captured; keys: {list(graphs.graphs)}")
+        sys.exit(f"no graph of {args.requests} requests captured; keys: {list(graphs.graphs)}")
     key, step = max(steps, key=lambda item: item[0].rows_per_seq)  # k + 1 rows: the steady state
     results.append(report(f"{args.setting} step {key} ({len(step.graphs)} graphs)", step.replay, args.list))
     if algorithm == "dflash":
         device = runner.device
-        tokens = torch.ones(1, dtype=torch.long, device=device)
-        anchors = torch.full((1,), args.prompt_len, dtype=torch.long, device=device)
-        slots = torch.zeros(1, dtype=torch.long, device=device)
-        tables = torch.zeros(1, 64, dtype=torch.int32, device=device)
-        st = SamplingTensors.from_params([SamplingParams(temperature=0.0)], device=device)
+        n = args.requests
+        tokens = torch.ones(n, dtype=torch.long, device=device)
+        anchors = torch.full((n,), args.prompt_len, dtype=torch.long, device=device)
+        slots = torch.arange(n, dtype=torch.long, device=device)
+        tables = torch.zeros(n, 64, dtype=torch.int32, device=device)
+        st = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * n, device=device)
         graph = capture_graph(lambda: runner.spec.proposer.propose(tokens, anchors, slots, tables, k, st))
         results.append(report("draft propose (graph)", graph.replay, args.list))
     if args.host_profile:
