@@ -13,7 +13,9 @@
 #   bench_quant 35: bench_quant_linear.py at the 27B and 35B-A3B shapes (fused vs dequantize + GEMM vs bf16)
 #   b35         34: ft bench 35B-A3B shape: 4,096-token prefill tok/s, KV tokens plain and DFlash k=7, one-request
 #               decode and DFlash steps (the issue's "no slower" figures: 4.10 / 9.11 ms)
-#   b27         32, 34: ft bench 27B shape: 4,096-token prefill, DFlash k=7 at 16 requests (share of floor)
+#   b27         32, 34: ft bench 27B shape: 4,096-token prefill, one-request decode and DFlash k=7 steps (issue 32's
+#               "no slower" figures: 20.82 / 23.41 ms; its 16-request figure is b27c16)
+#   b27c16      32: ft bench 27B shape, DFlash k=7 and plain at 16 requests (the DFlash step's share of its floor)
 #   q35, q27    35: ft bench at Q4_K and IQ3_XXS (--dummy-weight-type), plain and DFlash k=7, beside the floors of
 #               the blocks' bytes
 #   serve35     34: ft serve 35B-A3B, 64 requests of 512 + 64 at 16 in flight: TTFT p50, ITL p99
@@ -52,7 +54,8 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
     bench_quant) step "$stage" 120 python3 bench/kernels/bench_quant_linear.py --out "$O/bench_quant.json" \
       --only 27b.mlp.down,35b.mlp.experts.gate_up --rows 1,8,64 ;;
     b35) step "$stage" 260 $BENCH $S35 --runs off:1:4096,dflash7:1:4096 --out "$O/b35" ;;
-    b27) step "$stage" 220 $BENCH $S27 --runs off:1:4096,dflash7:16:512 --out "$O/b27" ;;
+    b27) step "$stage" 220 $BENCH $S27 --runs off:1:4096,dflash7:1:4096 --out "$O/b27" ;;
+    b27c16) step "$stage" 200 $BENCH $S27 --runs dflash7:16:512,off:16:512 --out "$O/b27c16" ;;
     q35) for t in Q4_K IQ3_XXS; do step "$stage-$t" 200 $BENCH $S35 --dummy-weight-type $t --runs off:1:512,dflash7:1:512 \
       --out "$O/q35-$t"; done ;;
     q27) for t in Q4_K IQ3_XXS; do step "$stage-$t" 200 $BENCH $S27 --dummy-weight-type $t --runs off:1:512,dflash7:1:512 \
@@ -64,7 +67,7 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
       --model bench/shapes/qwen3.5-35b-a3b --speculative-algorithm dflash \
       --speculative-draft-model-path bench/shapes/qwen3.5-35b-a3b-dflash2 --load-format dummy \
       --max-running-requests 8 --max-model-len 4096 ;;
-    trace27) for setting in dflash7 off; do step "$stage-$setting" 150 python3 scripts/diag/step_trace.py \
+    trace27) for setting in ${TRACE_SETTINGS:-dflash7 off}; do step "$stage-$setting" 150 python3 scripts/diag/step_trace.py \
       --model bench/shapes/qwen3.5-27b --draft bench/shapes/qwen3.5-27b-dflash2 --setting $setting --requests 16 \
       --prompt-len 512 --list 0 --out "$O/trace27-$setting.json"; done ;;
     nccl) step "$stage" 60 python3 -m pytest -q -p no:cacheprovider conformance/gpu/test_nccl_capture.py \
