@@ -21,6 +21,8 @@
 #   serve35     34: ft serve 35B-A3B, 64 requests of 512 + 64 at 16 in flight: TTFT p50, ITL p99
 #   multiturn   33: the multi-turn chat with the prefix cache on and off on the 35B-A3B shape (TTFT of later turns)
 #   trace27     32: the 27B DFlash k=7 and plain steps at 16 requests kernel by kernel (scripts/diag/step_trace.py)
+#   gemm27      32: the 27B target's projections at 16 and 128 rows in cuBLAS beside their floors, and the skinny
+#               kernel's 64/128-row tiles at 128 (bench/kernels/bench_skinny_linear.py)
 #   nccl        36: the raw NCCL communicator's collectives, eager and captured in a CUDA graph (one rank)
 set -uo pipefail
 . scripts/gpu_env.sh
@@ -70,6 +72,10 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
     trace27) for setting in ${TRACE_SETTINGS:-dflash7 off}; do step "$stage-$setting" 150 python3 scripts/diag/step_trace.py \
       --model bench/shapes/qwen3.5-27b --draft bench/shapes/qwen3.5-27b-dflash2 --setting $setting --requests 16 \
       --prompt-len 512 --list 0 --out "$O/trace27-$setting.json"; done ;;
+    gemm27) step "$stage-16" 60 python3 bench/kernels/bench_skinny_linear.py --only 27b-target --rows 16 --no-sweep \
+      --out "$O/gemm27-16.json"
+      step "$stage-128" 200 python3 bench/kernels/bench_skinny_linear.py --only 27b-target --rows 128 \
+      --out "$O/gemm27-128.json" ;;
     nccl) step "$stage" 60 python3 -m pytest -q -p no:cacheprovider conformance/gpu/test_nccl_capture.py \
       conformance/gpu/test_tp_cuda.py ;;
     *) echo "unknown stage $stage" >> "$O/steps.txt" ;;

@@ -42,6 +42,8 @@ CASES = [
     (13, 50, 64, SkinnyConfig(block_n=16, block_k=64, split_k=4)),  # one K block: the launcher runs 1 split
     (20, 24, 80, SkinnyConfig(block_n=16, block_k=16, split_k=2)),  # one 32-row tile
     (70, 17, 48, SkinnyConfig(block_n=16, block_k=16, split_k=3)),  # two 64-row tiles
+    (100, 40, 96, SkinnyConfig(block_n=32, block_k=32, split_k=2, block_m=128)),  # one 128-row tile, 28 rows masked
+    (130, 24, 64, SkinnyConfig(block_n=16, block_k=32, split_k=1, block_m=128)),  # two 128-row tiles
     (8, 64, 1024, None),  # default_config: 16-column tiles, K split in 4 (256 columns each)
     # the L2 prefetch (compiled sm_90+ only; elsewhere the flag does nothing): N past the last column tile, and a
     # ragged last K range whose later chunks lie past K

@@ -63,6 +63,9 @@ class SkinnyConfig:
     # hurts gate|up and down, so only those three shapes use it (measured: bench/results/2026-12-04-h200-perf13/
     # c3-skinny.log; a side-stream prefetch further ahead, dropped: bench/results/2026-12-04-h200-perf14/).
     prefetch_k: int = 0
+    # rows a program owns: 0 takes the row count's power of two, 16 to 64 (one tile for the draft's few rows);
+    # 128 holds a 16-request verify block (16 x 8 rows) in one tile, so each W tile is read once
+    block_m: int = 0
 
 
 # (N, K, swiglu) -> (the most rows it was measured faster than cuBLAS at, its fastest config), from the sweeps of
@@ -243,7 +246,7 @@ def skinny_linear_triton(x: Tensor, weight: Tensor, swiglu: bool = False, config
     if k == 0:
         return out.zero_()
     cfg = default_config(rows, n, k, swiglu) if config is None else config
-    block_m = max(16, min(64, triton.next_power_of_2(rows)))
+    block_m = cfg.block_m or max(16, min(64, triton.next_power_of_2(rows)))
     m_tiles, n_tiles = triton.cdiv(rows, block_m), triton.cdiv(n, cfg.block_n)
     split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
