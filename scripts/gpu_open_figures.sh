@@ -19,7 +19,9 @@
 #   q35, q27    35: ft bench at Q4_K and IQ3_XXS (--dummy-weight-type), plain and DFlash k=7, beside the floors of
 #               the blocks' bytes
 #   serve35     34: ft serve 35B-A3B, 64 requests of 512 + 64 at 16 in flight: TTFT p50, ITL p99
-#   multiturn   33: the multi-turn chat with the prefix cache on and off on the 35B-A3B shape (TTFT of later turns)
+#   multiturn   33: the multi-turn chat with the prefix cache on and off on the 35B-A3B shape (TTFT of later turns;
+#               a fixed depth: the adaptive one's warm-up captures every depth, 215 s on an H100, and dummy
+#               weights accept nothing, so it would decode plainly)
 #   trace27     32: the 27B DFlash k=7 and plain steps at 16 requests kernel by kernel (scripts/diag/step_trace.py)
 #   gemm27      32: the 27B target's projections at 16 and 128 rows in cuBLAS beside their floors, and the skinny
 #               kernel's 64/128-row tiles at 128 (bench/kernels/bench_skinny_linear.py)
@@ -68,7 +70,7 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
     multiturn) step "$stage" 540 python3 bench/load_serve.py --multi-turn --compare-no-cache --out "$O/multiturn.json" -- \
       --model bench/shapes/qwen3.5-35b-a3b --speculative-algorithm dflash \
       --speculative-draft-model-path bench/shapes/qwen3.5-35b-a3b-dflash2 --load-format dummy \
-      --max-running-requests 8 --max-model-len 4096 ;;
+      --speculative-depth fixed --max-running-requests 8 --max-model-len 4096 ;;
     trace27) for setting in ${TRACE_SETTINGS:-dflash7 off}; do step "$stage-$setting" 150 python3 scripts/diag/step_trace.py \
       --model bench/shapes/qwen3.5-27b --draft bench/shapes/qwen3.5-27b-dflash2 --setting $setting --requests 16 \
       --prompt-len 512 --list 0 --out "$O/trace27-$setting.json"; done ;;
