@@ -157,8 +157,8 @@ def test_skinny_linear_refusals_and_empty(impl_device):
 
 
 def test_skinny_linear_dispatch():
-    """CPU tensors take the torch form; on CUDA an untuned shape (or too many rows) takes cuBLAS, a tuned
-    one the kernel with its measured config, on an H200 only."""
+    """CPU tensors take the torch form; on CUDA an untuned shape (or a row count outside its measured range)
+    takes cuBLAS, a tuned one the kernel with the config measured on that GPU."""
     x, w = make_inputs(3, 8, 16, False, seed=2)
     assert torch.equal(skinny_linear(x, w), skinny_linear_torch(x, w))
     assert torch.equal(skinny_linear(x, torch.cat([w, w]), True), skinny_linear_torch(x, torch.cat([w, w]), True))
@@ -167,13 +167,24 @@ def test_skinny_linear_dispatch():
         return
     xc, wc = x.cuda(), w.cuda()
     assert torch.equal(skinny_linear(xc, wc), xc @ wc.T)  # [8, 16] is not in the table
-    h200 = "H200" in torch.cuda.get_device_name()
-    assert (sl.tuned_config(8, 2048, 5632, False, xc.device) is not None) == h200
-    assert sl.tuned_config(64, 2048, 5632, False, xc.device) is None  # measured up to 32 rows
+    cfg = sl.tuned_config(8, 2048, 5632, False, xc.device)
+    if "H200" in torch.cuda.get_device_name():
+        assert cfg == sl.H200_TUNED[(2048, 5632, False)][1]
+        assert sl.tuned_config(64, 2048, 5632, False, xc.device) is None  # measured up to 32 rows
     xt = torch.randn(8, 5632, device="cuda").bfloat16()
     wt = torch.randn(2048, 5632, device="cuda").bfloat16()
-    want = skinny_linear_triton(xt, wt, config=sl.H200_TUNED[(2048, 5632, False)][1]) if h200 else xt @ wt.T
+    want = skinny_linear_triton(xt, wt, config=cfg) if cfg is not None else xt @ wt.T
     assert torch.equal(skinny_linear(xt, wt), want)
+
+
+def test_tuned_ranges_are_measured_configs():
+    """Every TUNED entry: rows 1 <= fewest <= most, a config the launcher takes (powers of two, tiles >= 16)."""
+    for gpu, shapes in sl.TUNED.items():
+        for (n, k, fused), entries in shapes.items():
+            for fewest, most, cfg in entries:
+                assert 1 <= fewest <= most, (gpu, n, k, fused)
+                for size in (cfg.block_n, cfg.block_k, cfg.block_m or 16):
+                    assert size >= 16 and size & (size - 1) == 0, (gpu, n, k, cfg)
 
 
 def test_planted_bug_gate_and_up_swapped_is_caught(impl_device, report):

@@ -24,6 +24,7 @@ from .gdn import FastGDN
 from .mlp import FastMLP
 from .moe import FastMoE
 from ..kernels.dense.rms_norm import add_rms_norm
+from ..kernels.dense.skinny_linear import skinny_linear
 from ..kernels.quant.quant_linear import dequantize_op
 from ..kernels.quant.quant_matmul import quant_matmul
 from ..parallel.group import TPGroup
@@ -47,7 +48,8 @@ class FastDecoderLayer:
             self.mixer = FastGDN(cfg, params, prefix)
         self.mlp: FastMoE | FastMLP = FastMoE(cfg, params, prefix) if cfg.is_moe else FastMLP(params, prefix)
         quant_ops = (quant_matmul, dequantize_op) if params.quantized else ()  # a GGUF target's projections
-        self.ops = (add_rms_norm, *self.mixer.ops, *self.mlp.ops, *quant_ops)  # the kernel ops it runs
+        # the kernel ops it runs (the projections: linear.py's skinny_linear, or the quantized ones)
+        self.ops = (add_rms_norm, skinny_linear, *self.mixer.ops, *self.mlp.ops, *quant_ops)
 
     def forward(self, x: Tensor, meta: StepMeta, state: PagedKV | GDNSlots) -> Tensor:
         """x: ``[N, C]`` residual rows. Returns the new residual ``[N, C]``."""

@@ -20,10 +20,11 @@ from torch import Tensor
 from dflash2.reference.formats.config import TargetConfig
 
 from ..kernels.common.dispatch import GpuForm, KernelOp
+from ..kernels.dense.skinny_linear import skinny_linear
 from ..kernels.dense.swiglu import swiglu_act
 from ..kernels.moe.moe import moe_experts, moe_experts_triton
 from ..kernels.moe.moe_router import route, route_triton
-from .linear import linear
+from .linear import linear, swiglu_linear
 from .moe_quantized import QuantizedExperts
 from .params import Params
 
@@ -60,7 +61,7 @@ class FastMoE:
     on views of the first E experts, bit for bit as before.
     """
 
-    ops = (route, moe_experts, swiglu_act)  # the kernel ops it runs (FastTarget.capturable)
+    ops = (route, moe_experts, skinny_linear, swiglu_act)  # the kernel ops it runs (FastTarget.capturable)
 
     def __init__(self, cfg: TargetConfig, params: Params, prefix: str):
         p = f"{prefix}mlp."
@@ -126,7 +127,7 @@ class FastMoE:
             routed = self.experts(x, expert_ids, weights)  # [N, C] fp32
         else:
             routed = moe_experts(x, expert_ids, weights, self.gate_up, self.down)  # [N, C] fp32
-        mlp = linear(swiglu_act(linear(x, self.shared_gate_up)), self.shared_down)
+        mlp = linear(swiglu_linear(x, self.shared_gate_up), self.shared_down)
         shared = torch.sigmoid(x @ self.shared_expert_gate.T) * mlp
         return (routed + shared.float()).to(x.dtype)
 

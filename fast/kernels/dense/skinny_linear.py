@@ -28,7 +28,7 @@ Bound: memory (W's bytes once; x is re-read from L2 by each program: ``M K`` ele
 tile), and at these sizes the latency of a launch, which keeps a small projection well above its bytes'
 floor. The kernel beats cuBLAS on some shapes and not on others, so the engine's dispatch
 (:func:`skinny_linear`) takes it only for the shapes measured faster, with their measured configs
-(:data:`H200_TUNED`). No host sync; the grid depends on the shapes and the config only.
+(:data:`TUNED`, per GPU). No host sync; the grid depends on the shapes and the config only.
 """
 
 from __future__ import annotations
@@ -85,23 +85,35 @@ H200_TUNED: dict[tuple[int, int, bool], tuple[int, SkinnyConfig]] = {
     (5120, 25600, False): (8, SkinnyConfig(block_n=32, block_k=128, split_k=4)),  # 27B fc
 }
 
+# GPU (a fragment of its name) -> (N, K, swiglu) -> (fewest rows, most rows, config): the row ranges where the
+# kernel was measured faster than cuBLAS on that GPU. Only measured entries: another GPU, shape or row count
+# goes to cuBLAS.
+TUNED: dict[str, dict[tuple[int, int, bool], tuple[tuple[int, int, SkinnyConfig], ...]]] = {
+    "H200": {shape: ((1, most, cfg),) for shape, (most, cfg) in H200_TUNED.items()},
+}
+
 
 @functools.lru_cache(maxsize=None)
-def _is_h200(device: torch.device) -> bool:
-    return device.type == "cuda" and "H200" in torch.cuda.get_device_name(device)
+def _gpu(device: torch.device) -> str | None:
+    """The key of :data:`TUNED` this device's name contains, or None (a CPU, an unmeasured GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((gpu for gpu in TUNED if gpu in name), None)
 
 
 def tuned_config(rows: int, n: int, k: int, swiglu: bool, device: torch.device) -> SkinnyConfig | None:
-    """The measured config for this call on an H200, or None (cuBLAS is as fast or unmeasured)."""
-    entry = H200_TUNED.get((n, k, swiglu))
-    if entry is None or rows > entry[0] or not _is_h200(device):
-        return None
-    return entry[1]
+    """The measured config for this call on this GPU, or None (cuBLAS is as fast, or it was not measured)."""
+    gpu = _gpu(device)
+    for fewest, most, cfg in TUNED[gpu].get((n, k, swiglu), ()) if gpu else ():
+        if fewest <= rows <= most:
+            return cfg
+    return None
 
 
 def default_config(rows: int, n: int, k: int, swiglu: bool = False) -> SkinnyConfig:
     """A generic config for a shape the sweep did not cover (direct calls; the engine goes through
-    :data:`H200_TUNED`): K in 128-wide steps, 32-column tiles (16 up to N = 1024), and K split in two
+    :data:`TUNED`): K in 128-wide steps, 32-column tiles (16 up to N = 1024), and K split in two
     while that keeps at most 256 programs and 256 K columns a split (the rule of the 35B draft's picks;
     the 27B draft's long-K projections wanted more splits)."""
     block_n = 16 if n <= 1024 else 32
@@ -274,7 +286,7 @@ def skinny_linear_triton(x: Tensor, weight: Tensor, swiglu: bool = False, config
 
 
 def _tuned(x: Tensor, weight: Tensor, swiglu: bool = False) -> SkinnyConfig | None:
-    """The measured config for this call (:data:`H200_TUNED`), or None: the layout the kernel takes and a shape
+    """The measured config for this call (:data:`TUNED`), or None: the layout the kernel takes and a shape
     and row count measured faster than cuBLAS."""
     if not (weight.is_contiguous() and x.stride(-1) == 1 and x.dim() == 2):
         return None
@@ -282,11 +294,16 @@ def _tuned(x: Tensor, weight: Tensor, swiglu: bool = False) -> SkinnyConfig | No
     return tuned_config(x.shape[0], n, x.shape[1], swiglu, x.device)
 
 
+def has_tuned_config(x: Tensor, weight: Tensor, swiglu: bool = False) -> bool:
+    """Whether :data:`skinny_linear` takes its kernel for this call on a GPU (a measured config exists)."""
+    return _tuned(x, weight, swiglu) is not None
+
+
 def skinny_linear_tuned(x: Tensor, weight: Tensor, swiglu: bool = False) -> Tensor:
     """:func:`skinny_linear_triton` with the measured config of the call's shape (``_tuned`` must have one)."""
     return skinny_linear_triton(x, weight, swiglu, config=_tuned(x, weight, swiglu))
 
 
-# the kernel with its measured config where H200_TUNED has the shape, the torch form (cuBLAS on CUDA) otherwise
+# the kernel with its measured config where TUNED has the shape and row count, the torch form (cuBLAS on CUDA) otherwise
 skinny_linear = KernelOp("skinny_linear", skinny_linear_torch,
                          GpuForm(skinny_linear_tuned, fits=lambda *args, **kw: _tuned(*args, **kw) is not None))
