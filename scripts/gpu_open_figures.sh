@@ -24,7 +24,7 @@
 #               weights accept nothing, so it would decode plainly)
 #   trace27     32: the 27B DFlash k=7 and plain steps at 16 requests kernel by kernel (scripts/diag/step_trace.py)
 #   gemm27      32: the 27B target's projections at 16 and 128 rows in cuBLAS beside their floors, and the skinny
-#               kernel's 64/128-row tiles at 128 (bench/kernels/bench_skinny_linear.py)
+#               kernel's 64/128-row tiles at 128 rows for them and the 27B draft's (bench/kernels/bench_skinny_linear.py)
 #   nccl        36: the raw NCCL communicator's collectives, eager and captured in a CUDA graph (one rank)
 set -uo pipefail
 . scripts/gpu_env.sh
@@ -76,7 +76,7 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
       --prompt-len 512 --list 0 --out "$O/trace27-$setting.json"; done ;;
     gemm27) step "$stage-16" 60 python3 bench/kernels/bench_skinny_linear.py --only 27b-target --rows 16 --no-sweep \
       --out "$O/gemm27-16.json"
-      step "$stage-128" 200 python3 bench/kernels/bench_skinny_linear.py --only 27b-target --rows 128 \
+      step "$stage-128" 240 python3 bench/kernels/bench_skinny_linear.py --only 27b --rows 128 \
       --out "$O/gemm27-128.json" ;;
     nccl) step "$stage" 60 python3 -m pytest -q -p no:cacheprovider conformance/gpu/test_nccl_capture.py \
       conformance/gpu/test_tp_cuda.py ;;

@@ -3,7 +3,8 @@ shapes, 8 rows a request (issue 8: the draft forward is verify-only time), besid
 
     35B-A3B draft (C = 2048): the conv kernel projection [512, C], q|k|v [3072, C], o [C, 2048],
                               gate|up with the SwiGLU epilogue [2 x 5632, C], down [C, 5632], fc [C, 5 C]
-    27B draft (C = 5120):     the same six ([1280, C], [6144, C], [C, 4096], [2 x 17408, C], [C, 17408], [C, 5 C])
+    27B draft (C = 5120):     the same six ([1280, C], [6144, C], [C, 4096], [2 x 17408, C], [C, 17408], [C, 5 C]),
+                              also at 128 rows (16 requests' blocks, issue 32)
     35B-A3B target (for the record, not wired): GDN in_proj [12288, C] and out_proj [C, 4096] at 1 and 8 rows
     27B target (issue 32: the verify forward of 16 requests, 128 rows, against the 16-row decode): GDN in_proj
                               [16480, C], out_proj [C, 6144], attention q|k|v [14336, C], o [C, 6144], gate|up with
@@ -44,6 +45,9 @@ SHAPES = [  # name, rows, N (outputs; I with swiglu), K, swiglu
     ("35b.gate_up", 32, 5632, 2048, True), ("35b.down", 32, 2048, 5632, False),
     ("27b.kernel_proj", 8, 1280, 5120, False), ("27b.qkv", 8, 6144, 5120, False), ("27b.o", 8, 5120, 4096, False),
     ("27b.gate_up", 8, 17408, 5120, True), ("27b.down", 8, 5120, 17408, False), ("27b.fc", 8, 5120, 25600, False),
+    *[(f"27b.{name}", 128, n, k, swiglu) for name, n, k, swiglu in (
+        ("kernel_proj", 1280, 5120, False), ("qkv", 6144, 5120, False), ("o", 5120, 4096, False),
+        ("gate_up", 17408, 5120, True), ("down", 5120, 17408, False), ("fc", 5120, 25600, False))],
     ("35b-target.in_proj", 1, 12288, 2048, False), ("35b-target.in_proj", 8, 12288, 2048, False),
     ("35b-target.out_proj", 1, 2048, 4096, False), ("35b-target.out_proj", 8, 2048, 4096, False),
     *[(f"27b-target.{name}", rows, n, k, swiglu) for rows in (16, 128) for name, n, k, swiglu in (
