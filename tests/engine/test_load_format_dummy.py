@@ -49,6 +49,21 @@ def test_dummy_weights_have_the_canonical_shapes_and_are_a_function_of_seed_and_
     assert set(draft_weights) and all(torch.isfinite(draft_weights[n].float()).all() for n in draft_weights)
 
 
+def test_membership_and_type_tests_draw_nothing(configs_only, monkeypatch):
+    """``name in weights`` and ``Params.is_quantized`` read the shapes only: drawing a 35B-A3B layer's 1 GiB expert
+    tensors just to test them left their blocks in the CUDA allocator, layer after layer, until an H100's load ran
+    out of memory (bench/results/2026-12-07c-h100-open-figures)."""
+    from dflash2.fast.model.params import Params
+    cfg = load_target_config(configs_only[0])
+    weights = dummy_target_weights(cfg, seed=3)
+    drawn = []
+    monkeypatch.setattr(weights, "init", lambda name, *rest: drawn.append(name))
+    name = "layers.0.mlp.experts.gate_up_proj"
+    assert name in weights and "layers.0.no_such.weight" not in weights
+    assert not Params(cfg, weights, torch.float32, "cpu").is_quantized(name)
+    assert drawn == []
+
+
 @pytest.mark.parametrize("algorithm", ["none", "mtp", "dflash"])
 def test_the_engine_runs_on_dummy_weights_and_repeats_itself(configs_only, algorithm):
     target, draft = configs_only
