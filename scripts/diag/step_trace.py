@@ -5,8 +5,8 @@
 
 Builds the engine as ``ft bench`` does (dummy weights, simulated acceptance for speculative
 settings), generates once so the steps are captured, then replays the step of ``--requests`` requests
-(one by default; the smallest captured batch that holds them) (the decode
-forward for ``off``, the whole speculative step otherwise; each a few graphs, fast/model/capture.py)
+(one by default; the smallest captured batch that holds them): the decode forward for ``off``, the whole
+speculative step otherwise, each a few graphs (fast/model/capture.py),
 and, for DFlash, a graph of the draft's propose alone, under the torch profiler. Reports per step:
 the CUDA-event time of a replay, the sum of its kernels' times (the difference is the GPU's idle
 gaps between kernels), the kernel count, a table by kernel name, and the first ``--list`` kernels
