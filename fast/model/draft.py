@@ -48,7 +48,7 @@ and the context side's fc go through ``fast/kernels/dense/skinny_linear.skinny_l
 (some configs prefetching their weight into L2 under the previous kernel) where its sweep measured it
 faster than cuBLAS at that shape and row count on that GPU (``skinny_linear.TUNED``: the H200's sweep), cuBLAS
 otherwise (on the H200 the 27B draft's q|k|v and o, the 35B-A3B draft's q|k|v past 8 rows; on the H100 every
-shape: its 128-row sweep found none faster). The LM head stays in cuBLAS (it streams its 1 GB at the floor). The
+shape: unswept at 8 rows, none faster at 128). The LM head stays in cuBLAS (it streams its 1 GB at the floor). The
 per-name entries of ``self.w`` are views: q_proj into ``block_qkv_weights``, k_proj and v_proj into
 ``context_kv_weight``, gate_proj and up_proj into ``gate_up``. The logits stay in the draft dtype
 (``DraftBlocks.logits``).
