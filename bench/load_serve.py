@@ -380,6 +380,11 @@ async def run_multi_turn(args: argparse.Namespace, host: str, port: int) -> dict
             "prefix_cache_evictions": moved("dflash2_prefix_cache_evictions_total"),
             "verify_steps": per_step_count,
             "tokens_per_verify_step": ratio(per_step_sum, per_step_count),
+            # TTFT's parts inside the engine, means over the run's requests (/metrics histograms)
+            "queue_s_mean": ratio(moved("dflash2_request_queue_time_seconds_sum"),
+                                  moved("dflash2_request_queue_time_seconds_count")),
+            "prefill_s_mean": ratio(moved("dflash2_request_prefill_time_seconds_sum"),
+                                    moved("dflash2_request_prefill_time_seconds_count")),
         },
         "turns_detail": turns,
     }
@@ -473,6 +478,10 @@ def multi_turn_comparison_table(cache: dict, no_cache: dict, gain: dict) -> str:
             lines.append(row(f"TTFT {q} ms, {label}", _ms(a), _ms(b), ratio(b, a)))
     lines.append(row("TTFT p50 ms, all", _ms(cache["ttft_s"]["p50"]), _ms(no_cache["ttft_s"]["p50"]),
                      gain["ttft_p50_without_over_with"]))
+    for key, label in (("queue_s_mean", "queue ms mean (engine: arrival to first prefill step)"),
+                       ("prefill_s_mean", "prefill ms mean (engine: first prefill step to first token)")):
+        a, b = cache["server"].get(key), no_cache["server"].get(key)
+        lines.append(row(label, _ms(a), _ms(b), ratio(b, a)))
     lines.append(row("tokens/verify step", *("-" if x is None else f"{x:.2f}" for x in tps), None))
     lines.append(row("output tok/s", f"{cache['output_token_throughput_per_s']:.1f}",
                      f"{no_cache['output_token_throughput_per_s']:.1f}", gain["output_tok_s_with_over_without"]))

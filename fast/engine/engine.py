@@ -40,6 +40,7 @@ step's forward leaves the caller to decide (``fail_running``).
 
 from __future__ import annotations
 
+
 import functools
 import itertools
 import logging
@@ -108,6 +109,10 @@ class RequestDelta:
     error: str | None = None  # finish_reason "error": why
     text: str | None = None  # the final text (stop strings cut), once finished
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache (OpenAI usage's cached_tokens)
+    # on the delta of a request's first token: arrival to its first prefill step, and that step's start to the
+    # first token (the restore of a prefix-cache hit, the prefill chunks; they sum to the engine's TTFT)
+    queue_s: float | None = None
+    prefill_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -440,6 +445,10 @@ class Engine:
         deltas = []
         if isinstance(plan, PrefillPlan):
             reqs = [chunk.req for chunk in plan.chunks]
+            started = time.perf_counter()
+            for req in reqs:
+                if req.scheduled_s is None:
+                    req.scheduled_s = started
             self._restore(plan.restores)
             firsts = self.runner.prefill(plan, top_logprobs=self._wanted_logprobs(reqs))
             logprobs = self.runner.logprobs or [None] * len(reqs)
@@ -447,8 +456,11 @@ class Engine:
             for chunk, token, lp in zip(plan.chunks, firsts, logprobs):
                 chunk.req.num_prefilled += chunk.length
                 if token is not None:
-                    chunk.req.first_token_s = time.perf_counter()
-                    deltas.append(self._commit(chunk.req, [token], lp))
+                    req = chunk.req
+                    req.first_token_s = time.perf_counter()
+                    deltas.append(replace(self._commit(req, [token], lp),
+                                          queue_s=req.scheduled_s - req.arrival_s,
+                                          prefill_s=req.first_token_s - req.scheduled_s))
         elif self.model.k:
             started, captures = time.perf_counter(), self._captures()
             wanted = self._wanted_logprobs(plan.reqs)

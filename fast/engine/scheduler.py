@@ -74,6 +74,7 @@ class Req:
     num_verify_steps: int = 0
     num_emitted: int = 0  # tokens committed by verify steps, before any cut at a stop
     arrival_s: float = 0.0
+    scheduled_s: float | None = None  # when its first prefill step began (after waiting in the queue)
     first_token_s: float | None = None
     finish_s: float | None = None
 

@@ -1,7 +1,7 @@
 """The server's Prometheus metrics (``GET /metrics``), in one registry per server.
 
 Updated from two threads, both safe with ``prometheus_client``: the engine thread after every step
-(queue gauges, pool gauges, generated tokens, speculation) and the event loop as each request's
+(queue gauges, pool gauges, generated tokens, speculation, a request's queue and prefill times) and the event loop as each request's
 tokens reach it (time to first token, time per output token, end-to-end latency, finish reasons).
 
 Speculation, per verify step of one request that drafted k tokens and kept a of them:
@@ -57,6 +57,12 @@ class ServeMetrics:
         self.tpot = histogram("time_per_output_token_seconds", "Mean time between a request's tokens after the "
                               "first", TOKEN_LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token", LATENCY_BUCKETS)
+        # TTFT's two parts inside the engine (vLLM's names): waiting for admission, then the first prefill step's
+        # start to the first token (a prefix-cache hit's restore and the prompt's prefill chunks)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival in the engine to its first prefill step",
+                                    LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First prefill step's start to the first "
+                                      "token (restore and prefill chunks)", LATENCY_BUCKETS)
         self._finished = Counter(PREFIX + "request_finished", "Requests finished, by finish reason",
                                  label + ["finish_reason"], registry=r)
         self._rejected = Counter(PREFIX + "request_rejected", "HTTP requests refused, by status code",
@@ -103,6 +109,9 @@ class ServeMetrics:
         tokens = 0
         for d in deltas:
             tokens += len(d.token_ids)
+            if d.queue_s is not None:
+                self.queue_time.observe(d.queue_s)
+                self.prefill_time.observe(d.prefill_s)
             if d.num_accepted is not None:
                 self.spec_steps.inc()
                 self.spec_drafts.inc(d.k)

@@ -102,6 +102,24 @@ def test_abort_frees_what_a_finish_frees_at_every_stage(tiny):
     assert engine.generate([PROMPTS[2]], [params(0)])[0].token_ids == reference
 
 
+def test_the_first_token_carries_its_queue_and_prefill_times(tiny):
+    """Only a request's first delta has them, and a request that waited for a slot (3 run at once here) waited
+    longer than the first one admitted."""
+    engine = make_engine(tiny, "none")
+    rids = [engine.add_request(PROMPTS[i % 3], params(i, max_tokens=3)) for i in range(4)]
+    firsts, later = {}, []
+    while engine.scheduler.has_work or engine.runner.in_flight is not None:
+        for d in engine.step():
+            if d.request_id in firsts:
+                later.append(d)
+            else:
+                firsts[d.request_id] = d
+    assert sorted(firsts) == sorted(rids) and later
+    assert all(d.queue_s is None and d.prefill_s is None for d in later)
+    assert all(d.queue_s >= 0 and d.prefill_s > 0 for d in firsts.values())
+    assert firsts[rids[3]].queue_s > firsts[rids[0]].queue_s
+
+
 def test_pool_usage_catches_a_planted_leak_and_double_free(tiny):
     engine = make_engine(tiny, "none")
     engine.add_request(PROMPTS[0], params(0))

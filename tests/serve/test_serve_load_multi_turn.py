@@ -44,6 +44,9 @@ def test_multi_turn_with_and_without_the_prefix_cache(tmp_path, capsys):
         assert r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] and r["output_token_throughput_per_s"] > 0
         assert r["server"]["tokens_per_verify_step"] >= 1 and r["server"]["generation_tokens"] == r["output_tokens"]
         assert all(len(t["reply_token_ids"]) == REPLY for t in r["turns_detail"])
+        # the engine's parts of TTFT (means over the turns), within the TTFT the client saw
+        assert 0 <= r["server"]["queue_s_mean"] and 0 < r["server"]["prefill_s_mean"]
+        assert r["server"]["queue_s_mean"] + r["server"]["prefill_s_mean"] <= r["ttft_s"]["mean"]
     # with the cache: every later turn resumes after (at least) the previous turn's prompt, and the /metrics
     # counters count what the usage says
     assert cache["hit_rate"] > 0 and cache["later_turns"]["hit_rate"] > 0.5

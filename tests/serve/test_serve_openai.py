@@ -213,6 +213,11 @@ def test_the_metrics_move(spec):
     assert moved("dflash2_time_to_first_token_seconds_count") == 1
     assert moved("dflash2_time_per_output_token_seconds_count") == 1
     assert moved("dflash2_e2e_request_latency_seconds_count") == 1
+    # TTFT's parts inside the engine: one observation each, and together within the TTFT the server saw
+    assert moved("dflash2_request_queue_time_seconds_count") == 1
+    assert moved("dflash2_request_prefill_time_seconds_count") == 1
+    engine_ttft = moved("dflash2_request_queue_time_seconds_sum") + moved("dflash2_request_prefill_time_seconds_sum")
+    assert 0 < engine_ttft <= moved("dflash2_time_to_first_token_seconds_sum")
     assert moved('dflash2_request_finished_total{finish_reason="length"}') == 1
     steps = moved("dflash2_spec_decode_num_verify_steps_total")
     assert steps >= 1 and moved("dflash2_spec_decode_tokens_per_verify_step_count") == steps
