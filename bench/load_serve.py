@@ -48,8 +48,9 @@ batch or prefill split can flip a near-tie in bf16, and that conversation's late
 a warning says where). Reported per server: the hit rate (the sum of
 ``usage.prompt_tokens_details.cached_tokens`` over the sum of prompt tokens, and the same from the
 ``/metrics`` prefix-cache counters), prefill tokens computed (prompt minus cached), TTFT p50 / p99 overall,
-for turn 1, for the later turns and per turn, tokens per verify step (the ``/metrics`` histogram's sum
-over its count) and output tokens per second; with both servers, the cache's gain: without / with for
+for turn 1, for the later turns and per turn, TTFT's two parts inside the engine (the means of the
+``/metrics`` queue-time and prefill-time histograms), tokens per verify step (the ``/metrics`` histogram's
+sum over its count) and output tokens per second; with both servers, the cache's gain: without / with for
 TTFT and prefill tokens, with / without for output tokens per second. Issue 33's workload, on the MoE
 shape with dummy weights and on the bundled pair::
 

@@ -177,7 +177,7 @@ def test_skinny_linear_dispatch():
     assert torch.equal(skinny_linear(xt, wt), want)
 
 
-def test_tuned_ranges_are_measured_configs():
+def test_tuned_entries_are_row_ranges_and_configs_the_launcher_takes():
     """Every TUNED entry: rows 1 <= fewest <= most, a config the launcher takes (powers of two, tiles >= 16)."""
     for gpu, shapes in sl.TUNED.items():
         for (n, k, fused), entries in shapes.items():

@@ -4,7 +4,7 @@ A module holds each projection weight as what :class:`Params` gave it:
 
 - a dense ``Tensor`` ``[R, K]`` in the model dtype: ``x @ w.T`` through ``fast/kernels/dense/skinny_linear``'s
   op: its Triton kernel where that GPU's sweep measured it faster than cuBLAS at the shape and row count
-  (``skinny_linear.TUNED``: e.g. a verify block's rows), cuBLAS otherwise;
+  (``skinny_linear.TUNED``), cuBLAS otherwise;
 - a :class:`QuantParam` (a GGUF matrix kept as its blocks, ``fast/weights/gguf_quantized.py``):
   ``quant_linear`` (``fast/kernels/quant``: the fused dequant-matmul for decode and verify rows, dequantize
   then a dense GEMM for prefill chunks), its input first put in the file's column order where the converter

@@ -106,13 +106,10 @@ class Params:
 
 
     def is_quantized(self, name: str) -> bool:
-        """Whether ``name`` is kept as GGUF blocks. A lazy mapping that can say so without drawing the tensor
-        (``DummyWeights.is_quantized``) is asked: drawing a 35B-A3B layer's experts only to read their type left
-        1 GiB blocks behind in the allocator, layer after layer, until the load ran out of memory on an H100."""
-        probe = getattr(self.weights, "is_quantized", None)
-        if probe is not None and name in self.shapes and name in self.weights:
-            return probe(name)
-        return isinstance(self.raw(name), QuantParam)
+        """Whether ``name`` is kept as GGUF blocks. Read only where some tensor is (``self.quantized``): drawing a
+        dense dummy 35B-A3B layer's experts just to learn their type left 1 GiB blocks in the allocator, layer after
+        layer, until the load ran out of memory on an H100."""
+        return self.quantized and isinstance(self.raw(name), QuantParam)
 
     def weight(self, name: str) -> Tensor | QuantParam:
         """A projection weight for ``linear.linear``: kept quantized on the device if the checkpoint stores it so

@@ -1,8 +1,9 @@
 """The server's Prometheus metrics (``GET /metrics``), in one registry per server.
 
 Updated from two threads, both safe with ``prometheus_client``: the engine thread after every step
-(queue gauges, pool gauges, generated tokens, speculation, a request's queue and prefill times) and the event loop as each request's
-tokens reach it (time to first token, time per output token, end-to-end latency, finish reasons).
+(queue gauges, pool gauges, generated tokens, speculation, a request's queue and prefill times) and the
+event loop as each request's tokens reach it (time to first token, time per output token, end-to-end
+latency, finish reasons).
 
 Speculation, per verify step of one request that drafted k tokens and kept a of them:
 ``spec_decode_num_draft_tokens += k``, ``spec_decode_num_accepted_tokens += a``,

@@ -86,10 +86,6 @@ class DummyWeights(Mapping):
     def _rows_per_slice(shape: tuple[int, ...]) -> int:
         return max(1, CHUNK_BYTES // (4 * math.prod(shape[1:])))
 
-    def is_quantized(self, name: str) -> bool:
-        """Dummy weights are dense tensors (the quantized ones are ``fast/weights/dummy_quantized.py``'s)."""
-        return False
-
     def __contains__(self, name: object) -> bool:
         # Mapping's default draws the tensor (``self[name]``): a membership test must not allocate a weight
         return name in self.shapes
