@@ -24,6 +24,9 @@
 #               weights accept nothing, so it would decode plainly)
 #   prefill35   33, 34: scripts/diag/prefill_trace.py on the 35B-A3B shape with DFlash k=7: a cold 4,096-token prefill's
 #               kernels, and a chat turn resumed from the prefix cache (restore and prefill forward, 1 and 8 at once)
+#   hostp35     33: the same chat turn (one conversation) under cProfile: the host's share of a cached turn's prefill
+#   moe_cross   33, 34: bench_moe.py --prefill at 16-256 rows: the per-pair kernels against the grouped GEMM (where
+#               MAX_TRITON_PAIRS should sit)
 #   trace27     32: the 27B DFlash k=7 and plain steps at 16 requests kernel by kernel (scripts/diag/step_trace.py)
 #   gemm27      32: the 27B target's projections at 16 and 128 rows in cuBLAS beside their floors, and the skinny
 #               kernel's 64/128-row tiles at 128 rows for them and the 27B draft's (bench/kernels/bench_skinny_linear.py)
@@ -76,6 +79,10 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
     prefill35) step "$stage" 240 python3 scripts/diag/prefill_trace.py --model bench/shapes/qwen3.5-35b-a3b \
       --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 4096 --turn-requests 1,8 \
       --out "$O/prefill35.json" ;;
+    hostp35) step "$stage" 200 python3 scripts/diag/prefill_trace.py --model bench/shapes/qwen3.5-35b-a3b \
+      --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 0 --turn-requests 1 --host-profile \
+      --top 10 --out "$O/hostp35.json" ;;
+    moe_cross) step "$stage" 120 python3 bench/kernels/bench_moe.py --prefill 16,32,64,128,256 --out "$O/moe_cross.json" ;;
     trace27) for setting in ${TRACE_SETTINGS:-dflash7 off}; do step "$stage-$setting" 150 python3 scripts/diag/step_trace.py \
       --model bench/shapes/qwen3.5-27b --draft bench/shapes/qwen3.5-27b-dflash2 --setting $setting --requests 16 \
       --prompt-len 512 --list 0 --out "$O/trace27-$setting.json"; done ;;

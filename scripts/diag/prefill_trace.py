@@ -14,7 +14,9 @@ Builds the engine as ``ft serve`` would (dummy weights, the prefix cache on, a f
   it. Reported for turn 2: tokens restored and computed, the wall of the generate, and inside it
   the restore (``Engine._restore``: pages, GDN state, window, ring rebuild) and the prefill forward
   (``runner.prefill``), each timed between device synchronisations; then one more round of turn 2
-  under the profiler (issue 33: where a cached turn's time to first token goes).
+  under the profiler (issue 33: where a cached turn's time to first token goes). ``--host-profile``
+  adds a cProfile of one more turn 2 of the first count: the host's calls by own time and by
+  cumulative time (a call that waits on the device, e.g. ``tolist``, holds the wait).
 
 Every figure is a wall time on the device that ran it; nothing is compared across runs.
 """
@@ -100,6 +102,30 @@ def kernel_table(fn, top: int) -> dict:
             "by_name": [{"name": n, "calls": c, "us": d} for n, (c, d) in table[:top]]}
 
 
+def host_profile(llm, system: list[int], n: int, args) -> None:
+    """cProfile of one turn 2 of ``n`` conversations (turn 1 run first, unprofiled)."""
+    import cProfile
+    import pstats
+
+    vocab = llm.engine.model.target_cfg.vocab_size
+    rng = torch.Generator().manual_seed(1)
+    firsts = [system + torch.randint(0, vocab, (args.message,), generator=rng).tolist() for _ in range(n)]
+    outs = llm.generate(firsts, greedy(args.reply))
+    seconds = [f + list(o.token_ids) + torch.randint(0, vocab, (args.message,), generator=rng).tolist()
+               for f, o in zip(firsts, outs)]
+    sync()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    llm.generate(seconds, greedy(1))
+    sync()
+    profiler.disable()
+    print(f"\n== host profile of turn 2 of {n} conversation(s): wall {1e3 * (time.perf_counter() - start):.1f} ms")
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -111,6 +137,7 @@ def main() -> int:
     p.add_argument("--message", type=int, default=128)
     p.add_argument("--reply", type=int, default=128)
     p.add_argument("--top", type=int, default=25, help="kernels to list")
+    p.add_argument("--host-profile", action="store_true", help="also cProfile a turn 2 (the host's calls)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     algorithm, k = SETTINGS[args.setting]
@@ -176,6 +203,8 @@ def main() -> int:
                   f"wall {row['wall_ms']:.1f} ms, restore {row.get('restore', 0):.1f} ms, "
                   f"prefill forward {row.get('prefill forward', 0):.1f} ms")
         results["turns"].append({"conversations": n, "rounds": rows, "profile": profile})
+        if args.host_profile and n == turns[0]:
+            host_profile(llm, system, n, args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
