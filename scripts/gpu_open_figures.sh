@@ -27,6 +27,7 @@
 #   hostp35     33: the same chat turn (one conversation) under cProfile: the host's share of a cached turn's prefill
 #   moe_cross   33, 34: bench_moe.py --prefill at 16-256 rows: the per-pair kernels against the grouped GEMM (where
 #               MAX_TRITON_PAIRS should sit)
+#   router_cross 34: bench_moe_router.py at 16-2048 rows: kernel 1 against the fp32 GEMM (where GEMM_ROWS should sit)
 #   trace27     32: the 27B DFlash k=7 and plain steps at 16 requests kernel by kernel (scripts/diag/step_trace.py)
 #   gemm27      32: the 27B target's projections at 16 and 128 rows in cuBLAS beside their floors, and the skinny
 #               kernel's 64/128-row tiles at 128 rows for them and the 27B draft's (bench/kernels/bench_skinny_linear.py)
@@ -83,6 +84,8 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
       --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 0 --turn-requests 1 --host-profile \
       --top 10 --out "$O/hostp35.json" ;;
     moe_cross) step "$stage" 120 python3 bench/kernels/bench_moe.py --prefill 16,32,64,128,256 --out "$O/moe_cross.json" ;;
+    router_cross) step "$stage" 150 python3 bench/kernels/bench_moe_router.py --only-35b --rows 16,64,128,256,512,2048 \
+      --out "$O/router_cross.json" ;;
     trace27) for setting in ${TRACE_SETTINGS:-dflash7 off}; do step "$stage-$setting" 150 python3 scripts/diag/step_trace.py \
       --model bench/shapes/qwen3.5-27b --draft bench/shapes/qwen3.5-27b-dflash2 --setting $setting --requests 16 \
       --prompt-len 512 --list 0 --out "$O/trace27-$setting.json"; done ;;

@@ -13,8 +13,9 @@ op capturable). Checks on fresh random data: ids equal to the torch twin's (EXAC
 rank boundary would show as a mismatch beside a tiny twin_min_rel_gap), weights within 1e-6
 rms-relative of the twin's (the max relative error is reported too: about one ulp of the largest
 logit, ~1e-6 at |logit| ~ 8, as the two GEMVs round apart), a graph replay bitwise equal to the
-eager call. A short sweep of block sizes at each shape follows the default (C split across programs
-among them). Bandwidth: the nominal 4.25e12 B/s and a device-to-device copy measured here.
+eager call. Beside the kernel, the prefill chunks' form (``gemm=True``: the logits by one fp32 cuBLAS GEMM,
+then kernel 2), where ``moe_router.GEMM_ROWS`` should sit (``--rows``). A short sweep of block sizes at each
+shape follows the default (C split across programs among them). Bandwidth: the nominal 4.25e12 B/s and a device-to-device copy measured here.
 
     PYTHONPATH=/tmp/pkg python3 bench/kernels/bench_moe_router.py --out result.json     # from the repo root
 """
@@ -79,20 +80,21 @@ def check(x, w_router, top_k) -> dict:
 
 
 def bench_shape(experts: int, hidden: int, top_k: int, bandwidth: float, gen: torch.Generator,
-                start: float) -> list[dict]:
+                start: float, rows_list=ROWS) -> list[dict]:
     w_bytes = experts * hidden * 4
     layers_per_graph = max(ROUTER_BYTES // w_bytes, 1)
     routers = [torch.randn(experts, hidden, device="cuda", generator=gen) * 2 * hidden ** -0.5
                for _ in range(layers_per_graph)]
     results = []
-    for rows in ROWS:
+    for rows in rows_list:
         x = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
         checks = check(x, routers[0], top_k)
 
         def layers(fn, **kw):
             return lambda: [fn(x, w, top_k, **kw) for w in routers]
 
-        t_triton = graph_seconds(layers(route_triton)) / layers_per_graph
+        t_triton = graph_seconds(layers(route_triton, gemm=False)) / layers_per_graph
+        t_gemm = graph_seconds(layers(route_triton, gemm=True)) / layers_per_graph  # prefill chunks' form
         t_twin = graph_seconds(layers(route_torch)) / layers_per_graph
         t_topk = graph_seconds(layers(topk_sequence)) / layers_per_graph
         sweep = []
@@ -107,7 +109,8 @@ def bench_shape(experts: int, hidden: int, top_k: int, bandwidth: float, gen: to
         results.append({
             "experts": experts, "hidden": hidden, "top_k": top_k, "rows": rows, "layers_per_graph": layers_per_graph,
             "blocks": asdict(default), **checks,
-            "triton_us": 1e6 * t_triton, "torch_twin_us": 1e6 * t_twin, "topk_sequence_us": 1e6 * t_topk,
+            "triton_us": 1e6 * t_triton, "gemm_logits_us": 1e6 * t_gemm, "torch_twin_us": 1e6 * t_twin,
+            "topk_sequence_us": 1e6 * t_topk,
             "floor_nominal_us": 1e6 * w_bytes / NOMINAL_BW, "floor_measured_us": 1e6 * w_bytes / bandwidth,
             "fraction_of_floor": (w_bytes / NOMINAL_BW) / t_triton, "sweep": sweep})
     return results
@@ -116,12 +119,16 @@ def bench_shape(experts: int, hidden: int, top_k: int, bandwidth: float, gen: to
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--rows", default=None, help="row counts, e.g. 16,64,128,256,512,2048 (default 1,8,32,128)")
+    parser.add_argument("--only-35b", action="store_true", help="only the 35B-A3B router (E 256, C 2048, k 8)")
     args = parser.parse_args()
     start = time.time()
     torch.backends.cuda.matmul.allow_tf32 = False  # the twin's GEMM in fp32, as in the engine
     bandwidth = copy_bandwidth()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    results = [r for shape in SHAPES for r in bench_shape(*shape, bandwidth, gen, start)]
+    rows = tuple(int(n) for n in args.rows.split(",")) if args.rows else ROWS
+    shapes = SHAPES[:1] if args.only_35b else SHAPES
+    results = [r for shape in shapes for r in bench_shape(*shape, bandwidth, gen, start, rows)]
     record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth": bandwidth,
               "nominal_bandwidth": NOMINAL_BW, "results": results,
               "seconds": time.time() - start}
@@ -129,12 +136,12 @@ def main() -> None:
         json.dump(record, f, indent=1)
     print(f"{record['gpu']}: copy {bandwidth / 1e12:.2f} TB/s; per layer, graph replays of 256 MiB of routers")
     print(f"{'E':>4} {'C':>5} {'k':>3} {'N':>4} {'ok':>3} {'ids!=':>5} {'w rms':>8} {'w max':>8} {'triton us':>9} "
-          f"{'best us':>8} {'twin us':>8} {'topk us':>8} {'floor us':>8} {'of floor':>8}")
+          f"{'best us':>8} {'gemm us':>8} {'twin us':>8} {'topk us':>8} {'floor us':>8} {'of floor':>8}")
     for r in results:
         best = min([r["triton_us"]] + [s["us"] for s in r["sweep"]])
         print(f"{r['experts']:4d} {r['hidden']:5d} {r['top_k']:3d} {r['rows']:4d} {'yes' if r['ok'] else 'NO':>3} "
               f"{r['rows_ids_differ']:5d} {r['weights_rms_rel']:8.1e} {r['weights_max_rel']:8.1e} "
-              f"{r['triton_us']:9.2f} {best:8.2f} "
+              f"{r['triton_us']:9.2f} {best:8.2f} {r['gemm_logits_us']:8.2f} "
               f"{r['torch_twin_us']:8.2f} {r['topk_sequence_us']:8.2f} {r['floor_nominal_us']:8.2f} "
               f"{100 * r['fraction_of_floor']:7.1f}%")
     print(f"total {record['seconds']:.0f} s; written {args.out}")

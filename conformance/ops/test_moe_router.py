@@ -288,3 +288,41 @@ def test_route_with_the_shared_gate_appends_it_as_expert_e(impl_device, report, 
     assert torch.equal(ids[:, top_k].cpu(), torch.full((rows,), experts)), "the shared expert is not id E"
     report.numeric("weights/shared_gate", weights[:, :top_k], ref_weights, NUMERIC_BOUND[torch.float32])
     report.numeric("gate/shared_gate", weights[:, top_k], ref_gate, NUMERIC_BOUND[torch.float32])
+
+
+@pytest.mark.parametrize("shared_gate", [False, True])
+@pytest.mark.parametrize("rows", [5, 33])
+def test_route_with_gemm_logits_matches_reference(impl_device, report, rows, shared_gate):
+    """``gemm=True`` (the prefill chunks' form): the logits by one fp32 GEMM into the NaN-poisoned scratch, then
+    kernel 2: ids EXACT and weights NUMERIC against the reference, the shared gate's column as with kernel 1."""
+    impl, device = impl_device
+    if impl != "triton":
+        pytest.skip("the GEMM form is the Triton launcher's")
+    experts, top_k = 17, 3
+    x, w_router = make_inputs(rows, experts + int(shared_gate), seed=900 + rows)
+    routed = w_router[:experts]
+    assert min_gap(x, routed, top_k) > 1e-5, "the case has a near tie: EXACT ids would test rounding"
+    ref_ids, ref_weights = reference_route(x.double(), routed.double(), top_k)
+    logits = torch.full((rows, w_router.shape[0]), float("nan"), device=device)
+    ids, weights = route_triton(x.to(device), w_router.to(device), top_k, shared_gate=shared_gate, logits=logits,
+                                gemm=True)
+    assert torch.equal(ids[:, :top_k].cpu(), ref_ids), "expert ids differ from the reference (EXACT)"
+    report.numeric("weights/gemm_logits", weights[:, :top_k], ref_weights, NUMERIC_BOUND[torch.float32])
+    if shared_gate:
+        ref_gate = torch.sigmoid(x.double() @ w_router[experts].double())
+        report.numeric("gate/gemm_logits", weights[:, top_k], ref_gate, NUMERIC_BOUND[torch.float32])
+
+
+def test_route_takes_the_gemm_past_gemm_rows(impl_device):
+    """The default form: kernel 1 up to GEMM_ROWS rows, the GEMM past them (bitwise what each form gives)."""
+    from dflash2.fast.kernels.moe.moe_router import GEMM_ROWS
+
+    impl, device = impl_device
+    if impl != "triton":
+        pytest.skip("the GEMM form is the Triton launcher's")
+    x, w_router = make_inputs(GEMM_ROWS + 1, 17, seed=950)
+    x, w_router = x.to(device), w_router.to(device)
+    for rows, gemm in ((GEMM_ROWS, False), (GEMM_ROWS + 1, True)):
+        default = route_triton(x[:rows], w_router, 3)
+        chosen = route_triton(x[:rows], w_router, 3, gemm=gemm)
+        assert all(torch.equal(a, b) for a, b in zip(default, chosen)), f"{rows} rows: expected gemm={gemm}"

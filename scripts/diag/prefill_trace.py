@@ -171,7 +171,8 @@ def main() -> int:
         parts = watch.take()
         best = min(walls)
         print(f"\n== cold prefill of {args.cold} tokens: wall {' '.join(f'{1e3 * w:.1f}' for w in walls)} ms "
-              f"(best {args.cold / best:,.0f} tokens/s); over the 3: " + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()))
+              f"(best {args.cold / best:,.0f} tokens/s); over the 3: "
+              + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()))
         prompt = tokens(args.cold)
         results["cold"] = {"tokens": args.cold, "walls_s": walls, "parts_ms": parts,
                            "profile": kernel_table(lambda: llm.generate([prompt], greedy(1)), args.top)}

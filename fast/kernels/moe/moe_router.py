@@ -32,6 +32,13 @@ bench/kernels/bench_moe_router.py measures it against the floor (E C x 4 bytes o
 bandwidth) and against the torch sequence it replaced, which it beats about three times over at one row
 (measured: bench/results/2026-12-01-h200/kernels/router.log).
 
+Past :data:`GEMM_ROWS` rows (prefill chunks) kernel 1 gives way to one cuBLAS GEMM of the same fp32 products
+(``x.float() @ W_router^T``, TF32 off; the logits written as the single partial, S = 1) and kernel 2 selects
+from it as above: at a prefill chunk's thousands of rows the GEMV's CUDA-core products lose to the GEMM's (at
+2,048 rows, 0.29 ms a layer against the GEMM's tens of microseconds: the 35B-A3B's 4,096-token prefill spent
+23 ms of its 239 in kernel 1; measured: bench/results/2026-12-07d-h100-prefill-host/prefill35.log). Where TF32 is
+on for fp32 matmuls (a global torch setting) the kernel stays, so the products are fp32 at every size.
+
 Two launches rather than one: the select's ``[rows, E]`` tiles inside the GEMV's 8-warp programs would cost
 more than the launch saved (a fused form, dropped: bench/results/2026-12-04-h200-perf14/).
 
@@ -64,6 +71,12 @@ from ..common.triton_compat import tl, triton
 
 MAX_EXPERTS = 1024  # kernel 2 keeps a row's E probabilities in registers
 MAX_TOP_K = 64  # kernel 2 unrolls k rounds
+GEMM_ROWS = 256  # past this many rows the logits are one fp32 cuBLAS GEMM (module docstring)
+
+
+def gemm_logits_exact() -> bool:
+    """Whether torch runs fp32 matmuls in fp32 (no TF32), as the router's products must be."""
+    return not torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "highest"
 
 
 @dataclass(frozen=True)
@@ -223,19 +236,25 @@ def check_route_inputs(x: Tensor, w_router: Tensor, top_k: int, shared_gate: boo
 
 
 def route_triton(x: Tensor, w_router: Tensor, top_k: int, *, shared_gate: bool = False,
-                 blocks: RouterBlocks | None = None, logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                 blocks: RouterBlocks | None = None, logits: Tensor | None = None,
+                 gemm: bool | None = None) -> tuple[Tensor, Tensor]:
     """:func:`route_torch`'s contract by the two kernels: x ``[N, C]`` (any float dtype, upcast),
     w_router ``[E, C]`` fp32 (``[E + 1, C]`` with ``shared_gate``); returns ``(expert_ids [N, k]
     int64, weights [N, k] fp32)`` (``k + 1`` columns with ``shared_gate``).
 
     ``blocks`` defaults to :func:`default_blocks`; ``logits`` (fp32 ``[S, N, E (+ 1)]``, S =
     ``blocks.num_splits``; ``[N, E (+ 1)]`` also at S = 1) is the partial-logits scratch to write
-    instead of a fresh one (the tests poison it).
+    instead of a fresh one (the tests poison it). ``gemm``: the logits by one fp32 GEMM instead of
+    kernel 1 (S = 1, ``blocks`` unused); default past :data:`GEMM_ROWS` rows where TF32 is off.
     """
     check_route_inputs(x, w_router, top_k, shared_gate)
     rows, hidden = x.shape
     num_logits = w_router.shape[0]
     num_experts = num_logits - int(shared_gate)
+    if gemm is None:
+        gemm = rows > GEMM_ROWS and blocks is None and gemm_logits_exact()
+    if gemm:
+        blocks = RouterBlocks(1, 1, triton.next_power_of_2(hidden))  # S = 1: the GEMM writes the one partial
     blocks = default_blocks(rows, num_logits, hidden) if blocks is None else blocks
     check_blocks(blocks, hidden)
     splits = blocks.num_splits
@@ -253,10 +272,13 @@ def route_triton(x: Tensor, w_router: Tensor, top_k: int, *, shared_gate: bool =
     if rows == 0:
         return expert_ids, weights
     x, w_router = x.contiguous(), w_router.contiguous()  # the model's are already
-    grid = (triton.cdiv(num_logits, blocks.block_e), triton.cdiv(rows, blocks.block_n), splits)
-    _router_logits_kernel[grid](
-        x, w_router, logits, rows, C=hidden, E=num_logits, BLOCK_N=blocks.block_n, BLOCK_E=blocks.block_e,
-        BLOCK_C=blocks.block_c, SPLIT_C=split_c(blocks, hidden), num_warps=blocks.num_warps)
+    if gemm:
+        torch.mm(x.float(), w_router.T, out=logits.view(rows, num_logits))
+    else:
+        grid = (triton.cdiv(num_logits, blocks.block_e), triton.cdiv(rows, blocks.block_n), splits)
+        _router_logits_kernel[grid](
+            x, w_router, logits, rows, C=hidden, E=num_logits, BLOCK_N=blocks.block_n, BLOCK_E=blocks.block_e,
+            BLOCK_C=blocks.block_c, SPLIT_C=split_c(blocks, hidden), num_warps=blocks.num_warps)
     e_pad = triton.next_power_of_2(num_experts)
     _router_select_kernel[(rows,)](
         logits, weights, expert_ids, rows * num_logits, E=num_experts, TOP_K=top_k, E_PAD=e_pad,
@@ -266,6 +288,6 @@ def route_triton(x: Tensor, w_router: Tensor, top_k: int, *, shared_gate: bool =
 
 
 # ``(expert_ids [N, k] int64, weights [N, k] fp32)``; the kernels (no host sync) for CUDA tensors of every row
-# count: a prefill chunk routes by the same arithmetic and tie rule as the decode and verify steps, eager or captured
-# (the kernel's fp32 CUDA-core products against the torch form's GEMM at prefill sizes: not yet measured)
+# count: a prefill chunk routes by the same tie rule as the decode and verify steps (its logits by an fp32 GEMM past
+# GEMM_ROWS rows: the same products, summed in another order), eager or captured
 route = KernelOp("route", route_torch, GpuForm(route_triton))
