@@ -2,7 +2,8 @@
 reference/model/gdn.py (causal_conv1d, silu, l2norm, the decay and write-strength formulas of
 ``GatedDeltaNet.forward``), computed in float64 per sequence.
 
-Steps: decode (one row per sequence) and ragged verify steps, each with a sequence that starts from
+Steps: decode (one row per sequence), ragged verify steps and prefill chunks (sequences shorter than
+K - 1, as long and longer, so the new conv state mixes old columns and the chunk's inputs), each with a sequence that starts from
 the zero state (first row at position 0: its slot holds NaN and must not be read), sequences that
 continue from their slots in no order, and a padding sequence (state slot -1: the zero state, the
 trash slot). Odd head dims (Dk = 5, Dv = 7; Dk = 8, Dv = 12), GVA ratios 2 and 3, conv kernels 2, 3
@@ -12,7 +13,7 @@ and 4, verify rows past K - 1 (taps read the step's own earlier rows). ``a + dt_
 Poison: conv inputs, b and a are column slices of a NaN-filled projection; every state slot no
 sequence reads is NaN; the verify scratch is NaN with a spare sequence and row. Checks: q, k, v, g,
 beta NUMERIC (fp32 1e-5, bf16 2e-2; the fast side rounds the conv output to the model dtype);
-decode: each real sequence's slot holds the reference's new conv state EXACTLY (a copy of inputs
+decode and prefill: each real sequence's slot holds the reference's new conv state EXACTLY (a copy of inputs
 and old state), other slots untouched (the trash slot aside); verify: the slots untouched, the
 scratch holds every row's conv input EXACTLY at [b, r] and NaN elsewhere.
 
@@ -207,6 +208,10 @@ CASES = {  # lens (real sequences), Hk, Hv, Dk, Dv, K, zero-start sequences, ver
     "decode-K2": ([1, 1], 1, 2, 4, 6, 2, (0,), False),
     "verify-ragged-K3": ([3, 1, 4], 1, 3, 5, 7, 3, (0,), True),
     "verify-K4-past-window": ([5, 2], 2, 4, 8, 12, 4, (), True),
+    # prefill chunks: sequences shorter than K - 1 (the new state keeps old columns), as long, and longer
+    "prefill-ragged-K4": ([1, 3, 6], 2, 4, 8, 12, 4, (2,), False),
+    "prefill-short-K4": ([2, 1, 5], 1, 2, 4, 6, 4, (1,), False),
+    "prefill-K3-one-long": ([9, 2], 1, 3, 5, 7, 3, (0,), False),
 }
 
 
@@ -232,12 +237,6 @@ def test_torch_form_takes_prefill_chunks(report):
     check("torch", case, "cpu", torch.float32, report)
 
 
-def test_kernel_refuses_a_multi_row_step_without_verify_scratch():
-    case = make_case([3, 2], 1, 2, 4, 6, 4, (), False, seed=1)
-    with pytest.raises(ValueError, match="max_query_len=3 without verify_inputs"):
-        run("triton", case, "cpu", torch.float32)
-
-
 def test_refusals():
     case = make_case([1, 1], 1, 2, 4, 6, 4, (), False, seed=2)
     meta = step_meta(case, "cpu")
@@ -256,8 +255,8 @@ def test_refusals():
 
 
 def test_dispatch():
-    """With GPU forms allowed on any device (as on CUDA), decode and verify steps take the kernel and prefill
-    chunks the torch form; on CPU tensors, always the torch form."""
+    """With GPU forms allowed on any device (as on CUDA), decode, verify and prefill steps take the kernel; on CPU
+    tensors, always the torch form."""
     forms = {gdn_prologue_triton: "triton", gdn_prologue_torch: "torch"}
     picked, on_cpu = [], []
     for lens, verify in [([1, 1], False), ([3, 1], True), ([3, 1], False)]:
@@ -269,7 +268,7 @@ def test_dispatch():
         with forced_gpu([gdn_prologue]):
             picked.append(forms[gdn_prologue.pick(*args)])
         on_cpu.append(forms[gdn_prologue.pick(*args)])
-    assert picked == ["triton", "triton", "torch"]
+    assert picked == ["triton", "triton", "triton"]
     assert on_cpu == ["torch"] * 3
 
 

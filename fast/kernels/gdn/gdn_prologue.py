@@ -1,5 +1,5 @@
-"""The Gated DeltaNet prologue: its torch form :func:`gdn_prologue_torch` and, for decode and verify steps,
-one kernel (reference/model/gdn.py: the causal conv, silu, the L2 norms, the decay and the write strength).
+"""The Gated DeltaNet prologue: its torch form :func:`gdn_prologue_torch` and, for every step kind (decode,
+verify, prefill chunks), one kernel (reference/model/gdn.py: the causal conv, silu, the L2 norms, the decay and the write strength).
 
 From the fused input projection's rows (conv inputs ``x [N, Cd]``, ``b, a [N, Hv]``), with the conv
 continuing from each sequence's state (``conv_states[state_index[b]]``, the last K-1 inputs oldest
@@ -15,8 +15,13 @@ and, by step kind:
 - verify (``verify_inputs`` given): ``verify_inputs[b, r] = x_n`` (the conv input of every row, for
   ``speculative.commit.commit_verify``); the states are left alone;
 - decode (one row per sequence): ``conv_states[state_index[b]] = window_n[1 .. K-1]``, the state
-  after the row. A step of several rows per sequence that is no verify is refused: its rows would
-  read the state that another program of the same sequence is rewriting (the torch form takes it).
+  after the row, written by the row's programs;
+- prefill (several rows per sequence, no verify scratch): the state after the sequence's last row
+  (window positions ``L_b .. L_b + K-2``: old state columns where ``L_b < K-1``, else the chunk's last
+  K-1 inputs) is gathered first (:func:`final_conv_states`, a few sync-free torch ops on ``[B, Cd, K-1]``),
+  the kernel writes no state, and the gathered states go to the slots after it: the sequence's first
+  rows read the old state while no program rewrites it. (Before, prefill chunks ran the torch form: a
+  padded ``[B, K-1+Tq, Cd]`` fp32 window and a dozen elementwise passes over ``[N, Cd]`` fp32 per layer.)
 
 One program per (row, head): ``2 Hk`` programs for the q and k heads and ``Hv`` for the v heads
 (each the conv of its ``Dk`` or ``Dv`` channels, K taps read straight from the state or the
@@ -61,6 +66,18 @@ def causal_conv1d_torch(x: Tensor, conv_state: Tensor, weight: Tensor, meta) -> 
     last = (meta.seq_lens[:, None] + torch.arange(kernel - 1, device=x.device))[:, :, None]  # [B, K-1, 1]
     final = window.gather(1, last.expand(-1, -1, window.shape[2])).transpose(1, 2)  # [B, Cd, K-1]
     return meta.unpad(F.silu(y)).to(x.dtype), final.to(conv_state.dtype)
+
+
+def final_conv_states(x: Tensor, conv_states: Tensor, meta, kernel: int) -> Tensor:
+    """Each sequence's conv state after the step: window positions ``L_b .. L_b + K-2`` of
+    ``[state_b ; x rows of b]`` (``L_b`` = its rows; zeros for the state where ``zero_state``), in the
+    states' dtype  # [B, Cd, K-1]. x: ``[N, Cd]``; conv_states ``[S, Cd, K-1]``. Copies only (exact)."""
+    taps = torch.arange(kernel - 1, device=x.device)
+    window = meta.seq_lens[:, None] + taps  # [B, K-1] window positions
+    rows = (meta.cu_seqlens[:-1, None] + window - (kernel - 1)).clamp(0, max(x.shape[0] - 1, 0))  # [B, K-1]
+    start = torch.where(meta.zero_state[:, None, None], 0.0, conv_states[meta.state_index])  # [B, Cd, K-1]
+    old = start.gather(2, window.clamp(max=kernel - 2)[:, None, :].expand(-1, start.shape[1], -1))
+    return torch.where((window >= kernel - 1)[:, None, :], x[rows].transpose(1, 2).to(old.dtype), old)
 
 
 def gdn_prologue_torch(conv_in: Tensor, b: Tensor, a: Tensor, conv_states: Tensor, conv_weight: Tensor,
@@ -172,8 +189,8 @@ def gdn_prologue_triton(conv_in: Tensor, b: Tensor, a: Tensor, conv_states: Tens
     conv_states ``[S, Cd, K-1]``; conv_weight ``[Cd, K]`` contiguous; neg_decay (-exp(A_log)),
     dt_bias fp32 ``[Hv]``; ``meta`` the step's StepMeta (``seq_index``, ``row_in_seq``,
     ``state_index``, ``zero_state``, ``max_query_len``); verify_inputs ``[>= B, >= Tq, Cd]`` or None
-    (then ``max_query_len`` must be 1). Returns ``(q, k [N, Hk, Dk] fp32, v [N, Hv, Dv] in conv_in's
-    dtype, g, beta [N, Hv] fp32)``.
+    (a decode or prefill step: the states are updated, module docstring). Returns ``(q, k [N, Hk, Dk] fp32,
+    v [N, Hv, Dv] in conv_in's dtype, g, beta [N, Hv] fp32)``.
     """
     rows, conv_dim = conv_in.shape
     value_heads = b.shape[-1]
@@ -196,9 +213,6 @@ def gdn_prologue_triton(conv_in: Tensor, b: Tensor, a: Tensor, conv_states: Tens
     for name, t in (("neg_decay", neg_decay), ("dt_bias", dt_bias)):
         if t.shape != (value_heads,) or t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name}: {list(t.shape)} {t.dtype}: expected contiguous fp32 [{value_heads}]")
-    if verify_inputs is None and meta.max_query_len > 1:
-        raise ValueError(f"max_query_len={meta.max_query_len} without verify_inputs: the kernel writes the conv "
-                         "state of decode steps (one row per sequence) only")
     if verify_inputs is not None and (verify_inputs.dim() != 3 or verify_inputs.shape[0] < meta.num_seqs
                                       or verify_inputs.shape[1] < meta.max_query_len
                                       or verify_inputs.shape[2] != conv_dim or verify_inputs.stride(2) != 1):
@@ -214,6 +228,8 @@ def gdn_prologue_triton(conv_in: Tensor, b: Tensor, a: Tensor, conv_states: Tens
         return q, k, v, g, beta
     block_d = triton.next_power_of_2(max(key_dim, value_dim))
     verify = verify_inputs if verify_inputs is not None else v  # stands in for an unread pointer
+    prefill = verify_inputs is None and meta.max_query_len > 1
+    final = final_conv_states(conv_in, conv_states, meta, kernel) if prefill else None  # before any write
     _gdn_prologue_kernel[(rows, 2 * key_heads + value_heads + 1)](
         conv_in, b, a, conv_states, conv_weight, neg_decay, dt_bias, meta.seq_index, meta.row_in_seq,
         meta.state_index, meta.zero_state, q, k, v, g, beta, verify, conv_in.stride(0), b.stride(0), a.stride(0),
@@ -223,14 +239,11 @@ def gdn_prologue_triton(conv_in: Tensor, b: Tensor, a: Tensor, conv_states: Tens
         TAPS_PAD=triton.next_power_of_2(max(kernel - 1, 1)), BLOCK_D=block_d,
         BLOCK_HV=triton.next_power_of_2(value_heads), L2_EPS=L2NORM_EPS, SOFTPLUS_MAX=SOFTPLUS_THRESHOLD,
         VERIFY=verify_inputs is not None,
-        WRITE_STATE=verify_inputs is None, num_warps=num_warps or max(1, min(4, block_d // 128)))
+        WRITE_STATE=verify_inputs is None and not prefill, num_warps=num_warps or max(1, min(4, block_d // 128)))
+    if prefill:
+        conv_states.index_copy_(0, meta.state_index, final)
     return q, k, v, g, beta
 
 
-def _fits(conv_in, b, a, conv_states, conv_weight, neg_decay, dt_bias, meta, key_heads, key_dim,
-          verify_inputs=None) -> bool:
-    """Verify steps and decode steps (one row per sequence); a prefill chunk's rows would race on the state."""
-    return verify_inputs is not None or meta.max_query_len == 1
-
-
-gdn_prologue = KernelOp("gdn_prologue", gdn_prologue_torch, GpuForm(gdn_prologue_triton, fits=_fits))
+# every step kind on CUDA: decode, verify and prefill chunks (module docstring)
+gdn_prologue = KernelOp("gdn_prologue", gdn_prologue_torch, GpuForm(gdn_prologue_triton))
