@@ -68,7 +68,12 @@ from ..common.pdl import launch_options, pdl_enabled
 from ..common.triton_compat import tl, triton
 from ..dense.swiglu import swiglu
 
-MAX_TRITON_PAIRS = 2048  # (row, choice) pairs; above, the id scans grow as P^2: the grouped GEMM (crossover not measured)
+# (row, choice) pairs; above, the grouped GEMM. At the 35B-A3B shape on an H100 the per-pair kernels took 0.93 ms a
+# layer at 1,032 pairs (a 129-row cached chat turn) and 1.26 ms at 2,048, where the grouped GEMM took 0.64 ms
+# (bench/results/2026-12-07d-h100-prefill-host/prefill35.log, 2026-12-07c-h100-open-figures/bench_moe.log); their
+# id scans grow as P^2. 1,024 keeps every decode and verify step of up to 128 rows (16 requests x 8) on the per-pair
+# kernels; where below it the two cross is not measured yet (bench_moe.py --prefill 16,..,256)
+MAX_TRITON_PAIRS = 1024
 
 
 @dataclass(frozen=True)
