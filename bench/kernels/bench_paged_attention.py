@@ -19,6 +19,25 @@ sweep of ``split_len`` (a runtime argument: no recompile) follows at four shapes
 measured here (read + write).
 
     PYTHONPATH=/tmp/pkg python3 bench/kernels/bench_paged_attention.py --out result.json   # from the repo root
+
+``--prefill`` benchmarks the prefill (flash-attention) kernel instead: chunks of 512 and 2048 rows (``--rows``)
+ending at contexts of 2048, 4096 and 16384 keys (``--contexts``; a chunk of as many rows as its context starts
+at 0), one sequence at each model's shape plus a chunk of four 512-row sequences, beside the FLOPs floor:
+
+    floor = 4 * H * D * sum_n visible(n) / the bf16 matmul rate measured here (an 8192^3 cuBLAS GEMM)
+    (visible(n) = keys row n sees; 2048 rows at 4096, 35B-A3B: 4 * 16 * 256 * 6.3e6 = 0.10 TFLOP)
+
+Times (do_bench median, L2 flushed): the kernel's CUDA-graph replay (device time: an eager prefill forward
+launches ahead of the GPU, so its Python launch cost hides) and its eager call, the torch twin's eager call.
+The twin runs where its scores (``B * H * Tq * Tctx`` fp32, about four such buffers live at once) fit in a
+quarter of the free memory; the checks are the kernel within bf16 NUMERIC of the twin and of an fp32 reference
+(the twin in fp32, or where that does not fit, the kernel on fp32 inputs), finite, two calls bitwise equal and
+the graph's replay equal to them. ``--sweep`` adds a sweep
+of block_m x block_n x num_warps x num_stages (and one head per tile) at ``--sweep-shapes``
+(model:batch:rows:context, default 2048 rows at 4096 on both models); a config that does not compile (shared
+memory) is recorded with its error.
+
+    PYTHONPATH=/tmp/pkg python3 bench/kernels/bench_paged_attention.py --prefill --sweep --out prefill.json
 """
 
 from __future__ import annotations
@@ -31,13 +50,13 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from dflash2.fast.kernels.attention.paged_attention import launch_plan, paged_attention_triton
-from dflash2.fast.kernels.attention.paged_attention import paged_attention_torch
+from dflash2.fast.kernels.attention.paged_attention import launch_plan, paged_attention_triton, prefill_plan
+from dflash2.fast.kernels.attention.paged_attention import paged_attention_prefill, paged_attention_torch
 from dflash2.fast.model.batch import ForwardBatch
 from dflash2.fast.model.pools import CachePools
 from dflash2.fast.model.step import StepMeta
 from dflash2.reference.tiny.target import tiny_target_config
-from dflash2.bench.measure import copy_bandwidth, rms_rel
+from dflash2.bench.measure import copy_bandwidth, matmul_rate, rms_rel
 
 MODELS = {"27b": (24, 4, 256), "35b-a3b": (16, 2, 256)}  # H, Hkv, D
 PAGE_SIZE = 16
@@ -46,6 +65,11 @@ BF16_BOUND = 2e-2
 SHAPES = [(model, batch, rows, context) for model in MODELS for context in (512, 4096) for batch in (1, 4, 16)
           for rows in (1, 8)] + [("35b-a3b", 1, 8, 32768), ("27b", 4, 1, 32768)]
 SWEEP_SHAPES = [("35b-a3b", 1, 1, 4096), ("27b", 1, 8, 4096), ("27b", 16, 8, 4096), ("35b-a3b", 4, 1, 512)]
+PREFILL_ROWS = (512, 2048)
+PREFILL_CONTEXTS = (2048, 4096, 16384)
+PREFILL_SWEEP_SHAPES = [("35b-a3b", 1, 2048, 4096), ("27b", 1, 2048, 4096)]
+PREFILL_SWEEP = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+                 for bm in (64, 128) for bn in (32, 64) for w in (4, 8) for st in (1, 2, 3)]
 
 
 def bench(fn) -> float:
@@ -156,15 +180,150 @@ def run_sweep(model: str, batch: int, rows: int, context: int, gen: torch.Genera
     return out
 
 
+def prefill_kernel(q, k, v, meta, **tiles):
+    """The prefill kernel on a step (what the dispatch runs for a chunk of more than 16 rows per sequence)."""
+    return paged_attention_prefill(q, k, v, meta.block_tables, meta.context_lens, meta.cu_seqlens, meta.positions,
+                                   max_query_len=meta.max_query_len, page_size=meta.page_size, **tiles)
+
+
+def prefill_flops(model: str, meta) -> float:
+    """4 * H * D * sum_n visible(n): QK^T and PV over the keys each row sees (positions below the context)."""
+    heads, _, dim = MODELS[model]
+    return 4.0 * heads * dim * float((meta.positions + 1).sum())
+
+
+def twin_fits(model: str, batch: int, rows: int, meta, dtype_factor: float = 1.0) -> bool:
+    """Whether the torch twin's scores (four fp32 ``[B, H, Tq, Tctx]`` buffers live at once) fit in a quarter
+    of the free memory (``dtype_factor`` 1.5 for the fp32 twin's larger operands)."""
+    heads = MODELS[model][0]
+    scores = batch * heads * rows * meta.block_tables.shape[1] * PAGE_SIZE * 4
+    return 4 * scores * dtype_factor < torch.cuda.mem_get_info()[0] / 4
+
+
+def fp32_reference(model: str, batch: int, rows: int, q, k, v, meta):
+    """(the output in fp32 on the same bf16-valued inputs, by the twin where it fits or else the kernel, its name)."""
+    if twin_fits(model, batch, rows, meta, 1.5):
+        return paged_attention_torch(q.float(), k.float(), v.float(), meta), "twin fp32"
+    return prefill_kernel(q.float(), k.float(), v.float(), meta), "kernel fp32"
+
+
+def run_prefill_shape(model: str, batch: int, rows: int, context: int, gen: torch.Generator, rate: float) -> dict:
+    q, k, v, meta, kv_bytes = make_step(model, batch, rows, context, gen)
+    heads, kv_heads, dim = MODELS[model]
+    kernel = lambda: prefill_kernel(q, k, v, meta)  # noqa: E731
+    out = kernel()
+    again = kernel()
+    graph, captured = graph_of(kernel)
+    graph.replay()
+    twin = twin_fits(model, batch, rows, meta)
+    reference, reference_name = fp32_reference(model, batch, rows, q, k, v, meta)
+    ref_bf16 = paged_attention_torch(q, k, v, meta) if twin else None
+    torch.cuda.synchronize()
+    plan = prefill_plan(batch, heads, kv_heads, dim, rows, q.element_size(), q.device)
+    flops = prefill_flops(model, meta)
+    row = {"model": model, "batch": batch, "rows": rows, "context": context, "flops": flops, "kv_bytes": kv_bytes,
+           "block_m": plan.block_m, "block_n": plan.block_n, "heads_per_program": plan.heads_per_program,
+           "num_warps": plan.num_warps, "num_stages": plan.num_stages,
+           "finite": bool(torch.isfinite(out).all()), "deterministic": bool(torch.equal(out, again)),
+           "graph_equal": bool(torch.equal(captured, out)),
+           "reference": reference_name, "err_vs_fp32": rms_rel(out.float(), reference.float()),
+           "err_vs_torch": rms_rel(out.float(), ref_bf16.float()) if twin else None,
+           "kernel_us": bench(graph.replay), "eager_us": bench(kernel),
+           "torch_us": bench(lambda: paged_attention_torch(q, k, v, meta)) if twin else None,
+           "floor_us": flops / rate * 1e6}
+    row["fraction_of_floor"] = row["floor_us"] / row["kernel_us"]
+    row["tflops"] = flops / row["kernel_us"] / 1e6
+    row["ok"] = (row["finite"] and row["deterministic"] and row["graph_equal"] and row["err_vs_fp32"] <= BF16_BOUND
+                 and (row["err_vs_torch"] is None or row["err_vs_torch"] <= BF16_BOUND))
+    del graph, reference, ref_bf16
+    return row
+
+
+def run_prefill_sweep(model: str, batch: int, rows: int, context: int, gen: torch.Generator,
+                      rate: float) -> list[dict]:
+    q, k, v, meta, _ = make_step(model, batch, rows, context, gen)
+    ref, _ = fp32_reference(model, batch, rows, q, k, v, meta)
+    flops = prefill_flops(model, meta)
+    configs = PREFILL_SWEEP + [dict(heads_per_program=1)]  # one head per tile at the default tiles
+    out = []
+    for cfg in configs:
+        row = {"model": model, "batch": batch, "rows": rows, "context": context, **cfg}
+        try:
+            graph, got = graph_of(lambda: prefill_kernel(q, k, v, meta, **cfg))  # noqa: B023 (called here)
+            graph.replay()
+            torch.cuda.synchronize()
+        except Exception as error:  # noqa: BLE001 (a tile that does not compile: out of shared memory)
+            out.append({**row, "error": f"{type(error).__name__}: {str(error)[:200]}"})
+            continue
+        us = bench(graph.replay)
+        out.append({**row, "kernel_us": us, "fraction_of_floor": flops / rate * 1e6 / us,
+                    "err_vs_fp32": rms_rel(got.float(), ref.float())})
+        del graph
+    return out
+
+
+def main_prefill(args) -> None:
+    rows_list = tuple(int(n) for n in args.rows.split(",")) if args.rows else PREFILL_ROWS
+    contexts = tuple(int(n) for n in args.contexts.split(",")) if args.contexts else PREFILL_CONTEXTS
+    shapes = [(model, 1, rows, context) for model in MODELS for rows in rows_list for context in contexts
+              if rows <= context] + [("35b-a3b", 4, 512, 4096)]
+    sweep_shapes = PREFILL_SWEEP_SHAPES if args.sweep_shapes is None else [
+        (m, int(b), int(r), int(c)) for m, b, r, c in (spec.split(":") for spec in args.sweep_shapes.split(","))]
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    rate = matmul_rate()
+    table = []
+    for shape in [] if args.sweep_only else shapes:
+        table.append(run_prefill_shape(*shape, gen, rate))
+        torch.cuda.empty_cache()
+    sweep = [r for shape in sweep_shapes for r in run_prefill_sweep(*shape, gen, rate)] if args.sweep else []
+    result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__, "matmul_rate_bf16": rate, "page_size": PAGE_SIZE, "prefill": table,
+              "sweep": sweep, "all_ok": all(r["ok"] for r in table) and all(
+                  r["err_vs_fp32"] <= BF16_BOUND for r in sweep if "error" not in r),
+              "seconds": time.perf_counter() - start}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+    if sweep:
+        print("prefill config sweep (graph replay us, fraction of the FLOPs floor):")
+        for r in sweep:
+            knobs = " ".join(f"{key}={r[key]}" for key in ("block_m", "block_n", "heads_per_program", "num_warps",
+                                                             "num_stages") if key in r)
+            timing = r["error"] if "error" in r else f"{r['kernel_us']:9.1f} us  {100 * r['fraction_of_floor']:5.1f}%"
+            print(f"  {r['model']:8s} B={r['batch']} Tq={r['rows']:5d} ctx={r['context']:6d} {knobs:58s} {timing}")
+    print(f"\n{result['device']}, bf16 matmul {rate / 1e12:.0f} TFLOP/s; {result['seconds']:.1f} s; "
+          f"all checks {'pass' if result['all_ok'] else 'FAIL'}")
+    print(f"{'model':8s} {'B':>2s} {'Tq':>5s} {'ctx':>6s} {'tiles':>14s} {'GFLOP':>7s} {'floor us':>9s} "
+          f"{'graph us':>9s} {'%floor':>6s} {'TFLOP/s':>7s} {'eager us':>9s} {'torch us':>9s} {'speedup':>7s} "
+          f"{'err':>8s} ok")
+    for r in table:
+        tiles = f"{r['block_m']}x{r['block_n']}/{r['heads_per_program']}h/{r['num_warps']}w"
+        torch_us = f"{r['torch_us']:9.1f}" if r["torch_us"] is not None else f"{'-':>9s}"
+        speedup = f"{r['torch_us'] / r['kernel_us']:7.1f}" if r["torch_us"] is not None else f"{'-':>7s}"
+        print(f"{r['model']:8s} {r['batch']:2d} {r['rows']:5d} {r['context']:6d} {tiles:>14s} {r['flops'] / 1e9:7.1f} "
+              f"{r['floor_us']:9.1f} {r['kernel_us']:9.1f} {100 * r['fraction_of_floor']:6.1f} {r['tflops']:7.1f} "
+              f"{r['eager_us']:9.1f} {torch_us} {speedup} {r['err_vs_fp32']:8.1e} {'yes' if r['ok'] else 'NO'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="where to write the JSON results")
     parser.add_argument("--sweep", action="store_true",
-                        help="also sweep split_len x block_n x num_warps (more compiles)")
+                        help="also sweep split_len x block_n x num_warps (with --prefill: the prefill tiles; more "
+                             "compiles)")
     parser.add_argument("--sweep-shapes", default=None,
                         help="model:batch:rows:context,... to sweep instead of the default four")
     parser.add_argument("--sweep-only", action="store_true", help="skip the table of shapes; sweep only")
+    parser.add_argument("--prefill", action="store_true",
+                        help="the prefill kernel on long chunks against the torch twin and the FLOPs floor")
+    parser.add_argument("--rows", default=None, help="--prefill: chunk rows, e.g. 512,2048 (the default)")
+    parser.add_argument("--contexts", default=None, help="--prefill: contexts, e.g. 2048,4096,16384 (the default)")
     args = parser.parse_args()
+    if args.prefill:
+        main_prefill(args)
+        return
     sweep_shapes = SWEEP_SHAPES if args.sweep_shapes is None else [
         (m, int(b), int(r), int(c)) for m, b, r, c in (spec.split(":") for spec in args.sweep_shapes.split(","))]
     start = time.perf_counter()

@@ -5,8 +5,12 @@ boundary and after a few keys, plus a padding sequence (state slot -1) that must
 with a context length and a real page in its table. Pages are scattered over the cache in no order;
 every slot outside the contexts (the ends of pages, unused pages, the trash row) is NaN. GQA with
 H = 6, Hkv = 2, head dims 16, 32 and 20 (padded in the kernel), page sizes 8 and 16 (and 5).
-The kernel runs with one split (written directly) and with several splits of one or three chunks
-(merged). NUMERIC (fp32 1e-5, fp16 5e-3; bf16 2e-2 on CUDA); the padding rows EXACT zeros.
+The split kernel runs with one split (written directly) and with several splits of one or three chunks
+(merged). Prefill chunks (more than 16 rows per sequence) take the flash-attention kernel: chunks that
+start at 0 (a context of only their own rows) and that continue after a context, of row counts that are
+not multiples of the block, several sequences of different lengths in one call (programs past the shorter
+ones' rows), GQA groups 1, 2, 3 and 8 with every head-stacking the kernel allows, head dims 16, 20, 64
+and 256. NUMERIC (fp32 1e-5, fp16 5e-3; bf16 2e-2 on CUDA); the padding rows EXACT zeros.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import torch
 from ops_helpers import NUMERIC_BOUND, pick
 
 from dflash2.fast.kernels.attention import paged_attention as kernel_module
-from dflash2.fast.kernels.attention.paged_attention import paged_attention_decode, paged_attention_triton
+from dflash2.fast.kernels.attention.paged_attention import (paged_attention_decode, paged_attention_prefill,
+                                                              paged_attention_triton, prefill_plan)
 from dflash2.fast.kernels.common.dispatch import forced_gpu
 from dflash2.fast.kernels.attention.paged_attention import paged_attention, paged_attention_torch
 from dflash2.fast.model.batch import PAD_SLOT, ForwardBatch
@@ -43,7 +48,7 @@ class Case:
 
 
 def make_case(contexts: list[int], rows: list[int], dim: int, page_size: int, seed: int, pad_rows: int | None = None,
-              spare_pages: int = 1) -> Case:
+              spare_pages: int = 1, heads: int = HEADS, kv_heads: int = KV_HEADS) -> Case:
     """Sequence b has ``contexts[b]`` keys after this step, the last ``rows[b]`` of them its query rows;
     a padding sequence of ``pad_rows`` rows (default: up to 2, no more than the others) comes last."""
     pad_rows = min(2, max(rows)) if pad_rows is None else pad_rows
@@ -57,17 +62,17 @@ def make_case(contexts: list[int], rows: list[int], dim: int, page_size: int, se
         tables.append(order[used:used + n])
         used += n
     num_slots = num_pages * page_size
-    key_cache = torch.full((num_slots + 1, KV_HEADS, dim), float("nan"))
+    key_cache = torch.full((num_slots + 1, kv_heads, dim), float("nan"))
     value_cache = key_cache.clone()
 
     num_rows = sum(rows) + pad_rows
-    q = torch.randn(num_rows, HEADS, dim, generator=gen)
-    expected = torch.zeros(num_rows, HEADS, dim)
+    q = torch.randn(num_rows, heads, dim, generator=gen)
+    expected = torch.zeros(num_rows, heads, dim)
     positions, kv_slots, first = [], [], 0
     for b, (context, n) in enumerate(zip(contexts, rows)):
         t = torch.arange(context)
         slots = torch.tensor(tables[b])[t // page_size] * page_size + t % page_size
-        keys, values = (torch.randn(context, KV_HEADS, dim, generator=gen) for _ in range(2))
+        keys, values = (torch.randn(context, kv_heads, dim, generator=gen) for _ in range(2))
         key_cache[slots], value_cache[slots] = keys, values
         pos = torch.arange(context - n, context)
         expected[first:first + n] = causal_attention(q[first:first + n], keys, values, pos)
@@ -153,6 +158,66 @@ def test_paged_attention_matches_reference(impl_device, report, shape):
             check(fn, case, device, torch.float32, report, split_len=16, block_n=16)
 
 
+PREFILL_SHAPES = [  # contexts, rows per sequence, D, page_size, (H, Hkv), the prefill kernel's tile overrides
+    # a chunk from 0 (its context is its rows), one after 14 keys, one after 37; G = 3: one head per tile
+    ([40, 23, 57], [40, 9, 20], 16, 8, (6, 2), [{}, {"block_m": 16, "block_n": 16}, {"block_m": 32, "block_n": 32}]),
+    # G = 8 in 16-row tiles: 8 heads x 2 rows, 4 heads x 4 rows, 1 head x 16 rows
+    ([50, 33], [19, 33], 64, 16, (8, 1), [{"block_m": 16, "block_n": 16},
+                                          {"block_m": 16, "block_n": 16, "heads_per_program": 4},
+                                          {"block_m": 16, "block_n": 32, "heads_per_program": 1}]),
+    # G = 2, D padded to 32, a page size the engine does not use
+    ([31, 26], [24, 26], 20, 5, (4, 2), [{"block_m": 16, "block_n": 16},
+                                         {"block_m": 32, "block_n": 16, "heads_per_program": 1}]),
+    ([45, 18], [26, 18], 256, 16, (2, 2), [{"block_m": 16, "block_n": 16}]),  # G = 1, D = 256
+    ([29, 64, 5], [5, 5, 5], 16, 16, (6, 2), [{"block_m": 16, "block_n": 16}]),  # a verify step: any step fits
+]
+
+
+def prefill_kernel(q, key_cache, value_cache, meta, **tiles):
+    """The prefill kernel on a step, whatever its rows (the dispatch sends only long ones there)."""
+    return paged_attention_prefill(q, key_cache, value_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens,
+                                   meta.positions, max_query_len=meta.max_query_len, page_size=meta.page_size, **tiles)
+
+
+def prefill_id(shape) -> str:
+    contexts, rows, dim, page_size, (heads, kv_heads), _ = shape
+    return f"ctx{'-'.join(map(str, contexts))}-Tq{'-'.join(map(str, rows))}-D{dim}-ps{page_size}-G{heads // kv_heads}"
+
+
+@pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=prefill_id)
+def test_paged_attention_prefill_matches_reference(impl_device, report, shape):
+    impl, device = impl_device
+    contexts, rows, dim, page_size, (heads, kv_heads), tilings = shape
+    case = make_case(contexts, rows, dim, page_size, seed=sum(contexts) + dim, heads=heads, kv_heads=kv_heads)
+    fn = pick(impl, paged_attention_torch, prefill_kernel)
+    dtypes = [torch.float32] + ([torch.float16] if dim <= 64 else []) + ([torch.bfloat16] if device == "cuda" else [])
+    for dtype in dtypes:
+        for tiles in tilings if impl == "triton" else [{}]:
+            check(fn, case, device, dtype, report, **tiles)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,dtype,block_m,block_n,heads_per_program", [
+    (16, 2, 256, torch.bfloat16, 128, 32, 8),  # the 35B-A3B
+    (24, 4, 256, torch.bfloat16, 128, 32, 2),  # the 27B
+    (16, 2, 256, torch.float32, 64, 16, 8),  # fp32 (the CUDA conformance lane) at D = 256
+    (32, 8, 128, torch.bfloat16, 128, 64, 4),
+    (6, 2, 20, torch.float32, 64, 64, 1),  # 12,288 rows x heads: 96 programs of 128 rows, so 64
+])
+def test_prefill_plan_fits_shared_memory(monkeypatch, heads, kv_heads, dim, dtype, block_m, block_n,
+                                         heads_per_program):
+    """A 2,048-row chunk on 132 SMs: 128-row tiles unless Q's would exceed 64 KB; K/V tiles as long as fit
+    (at most 64 keys) beside Q in PREFILL_SMEM with two stages; as many heads per tile as divide G in powers
+    of two."""
+    monkeypatch.setattr(kernel_module, "_sm_count", lambda device: 132)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    plan = prefill_plan(1, heads, kv_heads, dim, 2048, itemsize, torch.device("cpu"))
+    assert (plan.block_m, plan.block_n, plan.heads_per_program) == (block_m, block_n, heads_per_program)
+    staged = (plan.block_m + 2 * plan.num_stages * plan.block_n) * plan.d_pad * itemsize
+    assert staged <= kernel_module.PREFILL_SMEM
+    # a 512-row chunk of 16 heads would make 64 programs of 128 rows: 64-row tiles instead
+    assert prefill_plan(1, 16, 2, 256, 512, 2, torch.device("cpu")).block_m == 64
+
+
 @pytest.mark.parametrize("num_seqs,kv_heads,context,tile_rows", [
     (1, 2, 4096, 16), (1, 2, 4096, 64), (1, 4, 32768, 64), (4, 2, 512, 16), (16, 4, 512, 64), (16, 4, 4096, 16)])
 def test_split_plan_fills_one_wave_and_bounds_partials(monkeypatch, num_seqs, kv_heads, context, tile_rows):
@@ -168,19 +233,26 @@ def test_split_plan_fills_one_wave_and_bounds_partials(monkeypatch, num_seqs, kv
     assert programs > target // 2 or split == floor or split >= context
 
 
-def test_dispatch_sends_decode_and_verify_steps_to_the_kernel():
-    """With GPU forms allowed on any device (as on CUDA), steps of <= 16 rows per sequence take the kernel,
-    prefill the torch form; on CPU tensors, the torch form."""
+def test_dispatch_sends_every_step_to_a_kernel(monkeypatch):
+    """With GPU forms allowed on any device (as on CUDA), every step takes the kernels: steps whose rows fit
+    the split kernel's tile (<= 16 rows per sequence, <= 128 tile rows) the split-KV pair, longer ones (a
+    prefill chunk; 16 rows of G = 16) the prefill kernel; on CPU tensors, the torch form."""
     forms = {paged_attention_triton: "triton", paged_attention_torch: "torch"}
+    launched = []
+    for kind in ("decode", "prefill"):
+        spy = lambda *args, kind=kind, **kwargs: launched.append(kind)  # noqa: E731
+        monkeypatch.setattr(kernel_module, f"paged_attention_{kind}", spy)
     picked, on_cpu = [], []
-    for rows in (1, 5, 16, 17):
-        case = make_case([40], [rows], 16, 8, seed=rows, pad_rows=0)
+    for rows, heads in ((1, 6), (5, 6), (16, 6), (17, 6), (300, 6), (8, 16), (16, 16)):
+        case = make_case([300], [rows], 16, 8, seed=rows, pad_rows=0, heads=heads, kv_heads=1)
         meta = StepMeta.build(case.batch, case.pools)
         with forced_gpu([paged_attention]):
             picked.append(forms[paged_attention.pick(case.q, case.key_cache, case.value_cache, meta)])
+            paged_attention(case.q, case.key_cache, case.value_cache, meta)
         on_cpu.append(forms[paged_attention.pick(case.q, case.key_cache, case.value_cache, meta)])
-    assert picked == ["triton", "triton", "triton", "torch"]
-    assert on_cpu == ["torch"] * 4
+    assert picked == ["triton"] * 7
+    assert launched == ["decode", "decode", "decode", "prefill", "prefill", "decode", "prefill"]
+    assert on_cpu == ["torch"] * 7
 
 
 def test_step_meta_builds_the_torch_forms_fields_on_first_use():
@@ -207,44 +279,62 @@ def test_refusals():
         paged_attention_decode(case.q, *args, max_query_len=2, page_size=8, split_len=24, block_n=16)
     with pytest.raises(ValueError, match="block_n=24"):
         paged_attention_decode(case.q, *args, max_query_len=2, page_size=8, split_len=48, block_n=24)
+    with pytest.raises(ValueError, match="block_m=24: expected a power of two >= 16"):
+        paged_attention_prefill(case.q, *args, max_query_len=2, page_size=8, block_m=24)
+    with pytest.raises(ValueError, match="heads_per_program=2: expected a power of two dividing G=3"):
+        paged_attention_prefill(case.q, *args, max_query_len=2, page_size=8, heads_per_program=2)
+    with pytest.raises(ValueError, match="max_query_len=0"):
+        paged_attention_prefill(case.q, *args, max_query_len=0, page_size=8)
 
 
-def test_planted_bug_off_by_one_causal_mask_is_caught(impl_device, report):
+PLANTED = {"verify": [5, 3, 1], "prefill": [30, 20, 7]}  # rows per sequence of contexts 45, 32, 7
+
+
+def shifted(meta: StepMeta) -> StepMeta:
+    return replace(meta, positions=meta.positions + 1)  # query_positions follow, built anew
+
+
+@pytest.mark.parametrize("step", PLANTED)
+def test_planted_bug_off_by_one_causal_mask_is_caught(impl_device, report, step):
     """Rows that see the key one past their position (as a ``t <= p + 1`` mask would) fail the comparison."""
     impl, device = impl_device
-    case = make_case([45, 32, 7], [5, 3, 1], 16, 8, seed=3)
-    shifted = lambda m: replace(m, positions=m.positions + 1)  # noqa: E731 (query_positions follow, built anew)
+    case = make_case([45, 32, 7], PLANTED[step], 16, 8, seed=3)
     with pytest.raises(AssertionError, match="rms-relative"):
         check(pick(impl, paged_attention_torch, paged_attention_triton), case, device, torch.float32, report,
               meta_edit=shifted)
 
 
-def test_planted_bug_read_past_the_context_is_caught(impl_device, report):
-    """One key past a sequence's context is NaN poison: reading it must make the result non-finite."""
+@pytest.mark.parametrize("step", PLANTED)
+def test_planted_bug_read_past_the_context_is_caught(impl_device, report, step):
+    """One key past a sequence's context is NaN poison: reading it must make the result non-finite. The prefill
+    kernel loads no key past a block's last row, so there the rows move one on with the context."""
     impl, device = impl_device
-    case = make_case([45, 32, 7], [5, 3, 1], 16, 8, seed=4)
+    case = make_case([45, 32, 7], PLANTED[step], 16, 8, seed=4)
     case.batch = replace(case.batch, context_lens=case.batch.context_lens + 1)
     with pytest.raises(AssertionError, match="non-finite"):
-        check(pick(impl, paged_attention_torch, paged_attention_triton), case, device, torch.float32, report)
+        check(pick(impl, paged_attention_torch, paged_attention_triton), case, device, torch.float32, report,
+              meta_edit=shifted if step == "prefill" else None)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_kernel_replays_in_a_cuda_graph(report):
+@pytest.mark.parametrize("rows,tuning", [([5, 3, 1], {"split_len": 16, "block_n": 16}),
+                                         ([30, 20, 7], {"block_m": 32, "block_n": 16})], ids=["verify", "prefill"])
+def test_kernel_replays_in_a_cuda_graph(report, rows, tuning):
     """Captured once, replayed on new queries in the captured buffer: equal to the eager call (deterministic)."""
-    case = make_case([45, 32, 7], [5, 3, 1], 32, 16, seed=5, spare_pages=3)
-    pools = CachePools(case.pools.cfg, case.pools.num_pages, 16, 4, 5, torch.float32, "cuda")
+    case = make_case([45, 32, 7], rows, 32, 16, seed=5, spare_pages=3)
+    pools = CachePools(case.pools.cfg, case.pools.num_pages, 16, 4, max(rows), torch.float32, "cuda")
     meta = StepMeta.build(batch_to(case.batch, "cuda"), pools)
     q, k, v = (t.cuda() for t in (case.q, case.key_cache, case.value_cache))
-    paged_attention_triton(q, k, v, meta, split_len=16, block_n=16)  # compile outside the capture
+    paged_attention_triton(q, k, v, meta, **tuning)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = paged_attention_triton(q, k, v, meta, split_len=16, block_n=16)
+        captured = paged_attention_triton(q, k, v, meta, **tuning)
     fresh = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).cuda()
     q.copy_(fresh)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured, paged_attention_triton(fresh, k, v, meta, split_len=16, block_n=16))
+    assert torch.equal(captured, paged_attention_triton(fresh, k, v, meta, **tuning))
     assert captured[case.padding_rows.cuda()].eq(0).all()
     report.numeric("graph/float32", captured, paged_attention_torch(fresh, k, v, meta), NUMERIC_BOUND[torch.float32])

@@ -1,10 +1,11 @@
 """Paged causal GQA attention: the torch twin :func:`paged_attention_torch` (a gather of each sequence's
-whole context; twin of ``reference/model/attention.causal_attention``) and the split-KV ("flash-decoding")
-kernels for decode and verify steps, one :class:`KernelOp` (:data:`paged_attention`).
+whole context; twin of ``reference/model/attention.causal_attention``), the split-KV ("flash-decoding")
+kernels for decode and verify steps and a flash-attention-2 kernel for prefill chunks, one :class:`KernelOp`
+(:data:`paged_attention`).
 
 B sequences; sequence b owns query rows ``cu_seqlens[b] .. cu_seqlens[b+1]-1`` (at most
-``max_query_len``: 1 for decode, k+1 <= 16 for a verify) at ``positions``, and ``context_lens[b]``
-keys in its pages. Row n of sequence b at position p, query head h::
+``max_query_len``: 1 for decode, k+1 <= 16 for a verify, up to a prefill chunk's 2048) at ``positions``,
+and ``context_lens[b]`` keys in its pages. Row n of sequence b at position p, query head h::
 
     o[n, h] = sum_t softmax_t(q[n, h] . k[slot(b, t), j(h)] * D^-1/2) v[slot(b, t), j(h)]
               over t < context_lens[b], t <= p, block_tables[b, t // page_size] >= 0
@@ -14,7 +15,8 @@ Scores and softmax in fp32; a row that sees no key (a padding sequence: ``contex
 gets zeros. K/V are read straight from the flat slot tensors ``[S, Hkv, D]`` through the block
 table, with masked loads, so a slot outside a sequence's context (NaN poison included) is never read.
 
-Two kernels, a fixed grid for a given batch shape (CUDA graphs), no host sync, no atomics:
+Steps of at most ``MAX_QUERY_LEN`` rows per sequence (decode, verify) run two kernels, a fixed grid
+for a given batch shape (CUDA graphs), no host sync, no atomics:
 
 1. ``_split_kernel``, one program per (sequence, KV head, split of ``split_len`` keys): the G = H/Hkv
    query heads of that KV head times the sequence's rows form one ``[Tq * G, D]`` tile (G = 6, Tq = 8:
@@ -34,6 +36,27 @@ Bound: memory. Each step must read ``sum_b context_lens[b] * Hkv * D * 2 * items
 of K/V; the partials (``Tq * G * D`` fp32 per program) stay in L2 at these sizes. At B = 1 that
 floor is of the order of a launch's latency, so launch latency and the merge matter as much as bandwidth
 (bench/kernels/bench_paged_attention.py measures both against the floor).
+
+Longer steps (prefill chunks) run ``_prefill_kernel`` (:func:`paged_attention_prefill`), flash-attention 2
+over the pages: one program per (query block, sequence, group of ``heads_per_program`` query heads of one
+KV head). Its ``[block_m, D]`` tile stacks ``block_m / heads_per_program`` consecutive rows of the sequence
+times those heads (row-major: tile row m is row m // heads_per_program, head m % heads_per_program), so each
+K/V tile it loads serves every stacked head, and a tile spans few positions: the causal diagonal, where
+the mask discards work, is that many keys wide. ``heads_per_program`` is the largest power of two dividing
+G (8 of the 35B-A3B's 8: 16 rows x 8 heads; 2 of the 27B's 6: 64 rows x 2 heads), so no tile row is padding.
+Each program streams keys ``0 .. p_last`` (its last row's position; never past the context) in ``block_n``
+tiles, QK^T and PV on tensor cores (fp32 accumulate), online softmax in fp32 base 2: first the tiles every
+row of the block sees whole (below its first row's position: no causal mask), then the diagonal tiles
+under the mask. Keys past a block's last row (the causal triangle's upper half) are never loaded. The grid is
+``(H / heads_per_program, B, cdiv(max_query_len, rows per block))``: programs past a sequence's rows find
+nothing to attend and store nothing, so the host needs only ``max_query_len`` (no sync); query blocks go
+latest first, so the longest programs start in the first wave.
+
+Bound: compute. A chunk does ``4 * H * D * sum_n visible(n)`` FLOPs (QK^T and PV; visible(n) = keys row n
+sees), far above its bytes: 2048 rows over a 4096-token context on the 35B-A3B shape is 0.1 TFLOP against
+about 40 MB of Q, K, V and output. The twin's ``[B, Hkv, G, Tq, Tctx]`` fp32 scores (512 MB per layer at that
+shape, 4 GB at a 32k context) and its gathered K/V copies are never materialised: the kernel's memory is its
+output (bench/kernels/bench_paged_attention.py ``--prefill`` measures it against the FLOPs floor).
 """
 
 from __future__ import annotations
@@ -46,13 +69,16 @@ import torch
 from torch import Tensor
 
 from ..common.dispatch import GpuForm, KernelOp
-from ..common.triton_compat import tl, triton
+from ..common.triton_compat import INTERPRETED, tl, triton
 
 MAX_QUERY_LEN = 16  # rows per sequence the tile is built for (decode: 1, verify: k+1)
 MAX_TILE_ROWS = 128  # Tq * G, padded: larger tiles spill registers at D = 256
 PROGRAMS_PER_SM = 2  # target grid of the split kernel: two programs in flight per SM hide more load latency
 MIN_SPLIT_LEN = 64  # shorter splits cost more in the merge (more partials per row) than they gain
 MERGE_SPLITS = 64  # splits the merge reads in one tile
+# shared memory the prefill kernel's default tiles may take for Q and the staged K/V tiles: an H100's 227 KB
+# per block less room for the compiler's own layout conversions
+PREFILL_SMEM = 160 * 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,8 +92,8 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _check(q: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
-           cu_seqlens: Tensor, positions: Tensor, max_query_len: int, page_size: int) -> tuple[int, int, int]:
+def _check_shapes(q: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
+                  cu_seqlens: Tensor, positions: Tensor, page_size: int) -> tuple[int, int, int]:
     if q.dim() != 3 or key_cache.dim() != 3:
         raise ValueError(f"q {list(q.shape)}, key_cache {list(key_cache.shape)}: expected [N, H, D] and [S, Hkv, D]")
     rows, heads, dim = q.shape
@@ -81,11 +107,23 @@ def _check(q: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tens
                          f"expected [{batch}, P] and [{batch}] for cu_seqlens of {batch + 1} entries")
     if positions.shape != (rows,):
         raise ValueError(f"positions {list(positions.shape)}: expected [{rows}]")
-    if not 1 <= max_query_len <= MAX_QUERY_LEN:
-        raise ValueError(f"max_query_len={max_query_len}: expected 1 .. {MAX_QUERY_LEN} (decode and verify steps)")
     if page_size < 1:
         raise ValueError(f"page_size={page_size}: expected a positive integer")
-    if _pow2(max(16, max_query_len * (heads // kv_heads))) > MAX_TILE_ROWS:
+    return batch, heads, kv_heads
+
+
+def split_kernel_fits(max_query_len: int, group: int) -> bool:
+    """Whether a step of ``max_query_len`` rows per sequence and G = ``group`` fits the split kernel's tile."""
+    return 1 <= max_query_len <= MAX_QUERY_LEN and _pow2(max(16, max_query_len * group)) <= MAX_TILE_ROWS
+
+
+def _check(q: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
+           cu_seqlens: Tensor, positions: Tensor, max_query_len: int, page_size: int) -> tuple[int, int, int]:
+    batch, heads, kv_heads = _check_shapes(q, key_cache, value_cache, block_tables, context_lens, cu_seqlens,
+                                           positions, page_size)
+    if not 1 <= max_query_len <= MAX_QUERY_LEN:
+        raise ValueError(f"max_query_len={max_query_len}: expected 1 .. {MAX_QUERY_LEN} (decode and verify steps)")
+    if not split_kernel_fits(max_query_len, heads // kv_heads):
         raise ValueError(f"max_query_len={max_query_len} x {heads // kv_heads} query heads per KV head exceeds the "
                          f"{MAX_TILE_ROWS}-row tile")
     return batch, heads, kv_heads
@@ -306,15 +344,192 @@ def paged_attention_decode(q: Tensor, key_cache: Tensor, value_cache: Tensor, bl
     return out
 
 
+@dataclass(frozen=True)
+class PrefillPlan:
+    d_pad: int  # D padded to a power of two >= 16
+    block_m: int  # tile rows: block_m // heads_per_program query rows x heads_per_program query heads
+    block_n: int  # keys per tile
+    heads_per_program: int  # query heads of one KV head that share each K/V tile
+    num_warps: int
+    num_stages: int  # K/V tiles in flight (the compiled loop's software pipeline)
+
+
+def prefill_plan(num_seqs: int, heads: int, kv_heads: int, dim: int, max_query_len: int, itemsize: int,
+                 device: torch.device, *, block_m: int | None = None, block_n: int | None = None,
+                 heads_per_program: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None) -> PrefillPlan:
+    """The prefill kernel's tiles for a step (defaults where an override is None); host-side ints only.
+
+    ``block_m`` 128 rows, or 64 where 128-row tiles would leave SMs idle (fewer programs than SMs: a 512-row
+    chunk of 16 heads makes 64) or a 128-row Q tile would take over 64 KB (fp32 at D = 256); ``block_n`` the
+    largest power of two in 16 .. 64 whose ``num_stages`` K and V tiles fit beside Q in ``PREFILL_SMEM``
+    (the compiled kernel's shared memory is Q's tile and ``num_stages`` K and V tiles: 128 KB at 128 x 32 keys,
+    D = 256, bf16); ``heads_per_program`` the largest power of two dividing G (module docstring).
+    """
+    d_pad = max(16, _pow2(dim))
+    group = heads // kv_heads
+    num_stages = 2 if num_stages is None else num_stages
+    if block_m is None:
+        wide = num_seqs * max_query_len * heads >= 128 * _sm_count(device)
+        block_m = 128 if wide and 128 * d_pad * itemsize <= 64 * 1024 else 64
+    if block_n is None:
+        room = (PREFILL_SMEM - block_m * d_pad * itemsize) // (2 * max(num_stages, 1) * d_pad * itemsize)
+        block_n = min(64, max(16, 1 << max(room, 1).bit_length() - 1))
+    if heads_per_program is None:
+        heads_per_program = min(group & -group, block_m)
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name}={value}: expected a power of two >= 16")
+    if group % heads_per_program or heads_per_program & (heads_per_program - 1) or heads_per_program > block_m:
+        raise ValueError(f"heads_per_program={heads_per_program}: expected a power of two dividing G={group}, "
+                         f"at most block_m={block_m}")
+    if num_warps is None:  # at most 128 fp32 accumulator registers per thread (ptxas: none spill at D = 256)
+        num_warps = 8 if block_m * d_pad >= 8192 else 4
+    return PrefillPlan(d_pad, block_m, block_n, heads_per_program, num_warps, num_stages)
+
+
+@triton.jit
+def _prefill_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, stride_kn, stride_vn, start, end, query_pos, d, in_d,
+                  scale_log2, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """One K/V tile (keys start .. start+BLOCK_N-1, none at or past ``end``) into the online softmax."""
+    t = start + tl.arange(0, BLOCK_N)
+    page = tl.load(bt_row + t // PAGE_SIZE, mask=t < end, other=-1)
+    readable = page >= 0
+    slot = page.to(tl.int64) * PAGE_SIZE + t % PAGE_SIZE
+    kv_mask = readable[:, None] & in_d[None, :]
+    k = tl.load(k_base + slot[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_base + slot[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    if IEEE:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    if CAUSAL:
+        visible = readable[None, :] & (t[None, :] <= query_pos[:, None])
+    else:  # below the block's first row: every row sees every readable key
+        visible = readable[None, :]
+    scores = tl.where(visible, scores * scale_log2, -float("inf"))  # [BLOCK_M, BLOCK_N], base 2
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["num_pages"])
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_ptr, pos_ptr, out_ptr,
+                    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, stride_on, stride_oh,
+                    num_pages, scale_log2, GROUP: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr,
+                    D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    IEEE: tl.constexpr, COMPILED: tl.constexpr):
+    # one program: BLOCK_M // HPP rows of sequence b times HPP (heads per program) query heads of one KV head
+    head0 = tl.program_id(0) * HPP
+    b = tl.program_id(1)
+    block = tl.num_programs(2) - 1 - tl.program_id(2)  # latest rows first: they have the most keys
+    kv = head0 // GROUP
+    row0 = tl.load(cu_ptr + b)
+    num_rows = tl.load(cu_ptr + b + 1) - row0
+
+    m = tl.arange(0, BLOCK_M)  # tile row m: row block * BLOCK_M / HPP + m // HPP, head head0 + m % HPP
+    row_in_seq = block * (BLOCK_M // HPP) + m // HPP
+    head = head0 + m % HPP
+    in_m = row_in_seq < num_rows  # none in a block past the sequence's rows: no keys, no stores
+    rows = (row0 + row_in_seq).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    in_d = d < D
+    q = tl.load(q_ptr + rows[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+                mask=in_m[:, None] & in_d[None, :], other=0.0)
+    query_pos = tl.load(pos_ptr + rows, mask=in_m, other=-1).to(tl.int32)
+
+    limit = tl.minimum(tl.load(ctx_ptr + b), num_pages * PAGE_SIZE)  # keys past the block table do not exist
+    end = tl.minimum(tl.max(query_pos, axis=0) + 1, limit)  # the block's last row sees keys 0 .. end-1
+    # keys 0 .. whole-1 (whole tiles) every row of the block sees: below its first row's position
+    whole = tl.minimum(tl.min(tl.where(in_m, query_pos, limit), axis=0) + 1, end) // BLOCK_N * BLOCK_N
+
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    bt_row = bt_ptr + b * stride_bt
+    k_base = k_ptr + kv * stride_kh
+    v_base = v_ptr + kv * stride_vh
+    if COMPILED:  # for loops: the compiler pipelines their K/V loads (num_stages); a while loop it does not
+        for start in range(0, whole, BLOCK_N):
+            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, stride_kn, stride_vn, start,
+                                          whole, query_pos, d, in_d, scale_log2, PAGE_SIZE, BLOCK_N, False, IEEE)
+        for start in range(whole, end, BLOCK_N):
+            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, stride_kn, stride_vn, start,
+                                          end, query_pos, d, in_d, scale_log2, PAGE_SIZE, BLOCK_N, True, IEEE)
+    else:  # the same tiles in while loops: the interpreter cannot take a runtime range bound (triton_compat)
+        start = whole - whole
+        while start < whole:
+            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, stride_kn, stride_vn, start,
+                                          whole, query_pos, d, in_d, scale_log2, PAGE_SIZE, BLOCK_N, False, IEEE)
+            start += BLOCK_N
+        while start < end:
+            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, stride_kn, stride_vn, start,
+                                          end, query_pos, d, in_d, scale_log2, PAGE_SIZE, BLOCK_N, True, IEEE)
+            start += BLOCK_N
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_d[None, :])
+
+
+def paged_attention_prefill(q: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
+                            context_lens: Tensor, cu_seqlens: Tensor, positions: Tensor, *, max_query_len: int,
+                            page_size: int, **tiles) -> Tensor:
+    """Causal GQA attention of each row over its sequence's paged K/V (the module docstring's math), by the
+    flash-attention kernel: for steps of any number of rows per sequence (prefill chunks).
+
+    Arguments as :func:`paged_attention_decode`'s, ``max_query_len`` (host-side) at least every sequence's
+    row count; ``tiles`` override :func:`prefill_plan`'s defaults (``block_m``, ``block_n``,
+    ``heads_per_program``, ``num_warps``, ``num_stages``: tests, the benchmark's sweep). Returns ``[N, H, D]``
+    in q's dtype.
+    """
+    batch, heads, kv_heads = _check_shapes(q, key_cache, value_cache, block_tables, context_lens, cu_seqlens,
+                                           positions, page_size)
+    if max_query_len < 1:
+        raise ValueError(f"max_query_len={max_query_len}: expected a positive integer")
+    rows, _, dim = q.shape
+    out = torch.empty((rows, heads, dim), dtype=q.dtype, device=q.device)
+    if rows == 0:
+        return out
+    plan = prefill_plan(batch, heads, kv_heads, dim, max_query_len, q.element_size(), q.device, **tiles)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    key_cache = key_cache if key_cache.stride(-1) == 1 else key_cache.contiguous()
+    value_cache = value_cache if value_cache.stride(-1) == 1 else value_cache.contiguous()
+    block_tables, context_lens, cu_seqlens, positions = (
+        t if t.stride(-1) == 1 else t.contiguous() for t in (block_tables, context_lens, cu_seqlens, positions))
+    hp = plan.heads_per_program
+    grid = (heads // hp, batch, triton.cdiv(max_query_len, plan.block_m // hp))
+    _prefill_kernel[grid](
+        q, key_cache, value_cache, block_tables, context_lens, cu_seqlens, positions, out,
+        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
+        value_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.shape[1], dim ** -0.5 * math.log2(math.e), GROUP=heads // kv_heads, HPP=hp, D=dim,
+        D_PAD=plan.d_pad, PAGE_SIZE=page_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        IEEE=q.dtype == torch.float32, COMPILED=not INTERPRETED, num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
+    return out
+
+
 def paged_attention_triton(q: Tensor, key_cache: Tensor, value_cache: Tensor, meta, **tuning) -> Tensor:
-    """:func:`paged_attention_torch`'s arguments and result, by the kernels.
+    """:func:`paged_attention_torch`'s arguments and result, by the kernels: the split-KV pair for steps whose
+    rows fit its tile (decode, verify; :func:`split_kernel_fits`), the prefill kernel for longer ones.
 
     ``meta`` is the step's :class:`~dflash2.fast.model.step.StepMeta` (its ``block_tables``,
-    ``context_lens``, ``cu_seqlens``, ``positions``, ``max_query_len`` and ``page_size``).
+    ``context_lens``, ``cu_seqlens``, ``positions``, ``max_query_len`` and ``page_size``). ``tuning`` goes to
+    the kernel that runs (:func:`paged_attention_decode`'s or :func:`paged_attention_prefill`'s overrides).
     """
-    return paged_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens,
-                                  meta.positions, max_query_len=meta.max_query_len, page_size=meta.page_size,
-                                  **tuning)
+    launch = (paged_attention_decode if split_kernel_fits(meta.max_query_len, q.shape[1] // key_cache.shape[1])
+              else paged_attention_prefill)
+    return launch(q, key_cache, value_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens, meta.positions,
+                  max_query_len=meta.max_query_len, page_size=meta.page_size, **tuning)
 
 
 def paged_attention_torch(q: Tensor, key_cache: Tensor, value_cache: Tensor, meta) -> Tensor:
@@ -342,7 +557,6 @@ def paged_attention_torch(q: Tensor, key_cache: Tensor, value_cache: Tensor, met
     return meta.unpad(out.reshape(meta.num_seqs, meta.max_query_len, heads, head_dim))
 
 
-# steps of at most MAX_QUERY_LEN rows per sequence (decode, verify) on CUDA run the kernels; prefill chunks the
-# torch form
+# every step on CUDA runs a kernel: decode and verify the split-KV pair, prefill chunks the prefill kernel
 paged_attention = KernelOp("paged_attention", paged_attention_torch, GpuForm(
-    paged_attention_triton, fits=lambda q, key_cache, value_cache, meta: 1 <= meta.max_query_len <= MAX_QUERY_LEN))
+    paged_attention_triton, fits=lambda q, key_cache, value_cache, meta: meta.max_query_len >= 1))
