@@ -9,7 +9,8 @@ expert. The Triton kernel in fp32 and fp16 (one rounding of the twin's fp32), bf
 interpreter converts to bf16 by truncation, not round-to-nearest-even: seen here). The layout against real
 files: the golden llama.cpp GGUF files (Q8_0, F16, F32; BF16 stacked experts) and a GGUF written by gguf-py's
 writer with every type, read back through the reference's GGUFModel. Planted bugs (a nibble order, a scale and
-min swapped, a sign bit order, a sign lost, a table reversed) must fail the EXACT comparison.
+min swapped, a sign bit order, a sign lost, a table reversed) must fail the EXACT comparison. The IQ3_XXS sign
+table the kernels read (``tables.iq3xxs_sign_words``) is held to gguf-py's ksigns for every index and codeword.
 """
 
 from __future__ import annotations
@@ -263,6 +264,21 @@ def test_kernel_sign_formula_is_gguf_table():
     """The Triton decoder computes IQ3_XXS's sign byte as ``i | parity(i) << 7``: gguf-py's ksigns, entry by entry."""
     ksigns = tables.iq_tables(torch.device("cpu")).ksigns.tolist()
     assert ksigns == [i | (bin(i).count("1") % 2) << 7 for i in range(128)]
+
+
+def test_sign_words_are_gguf_signs():
+    """``tables.iq3xxs_sign_words``: for every sign index and every grid codeword, ``(G ^ N) + A`` of its half
+    holds 64 + s m in each byte's low 7 bits, s gguf-py's ksigns bit (the kernels' offset-binary signed values)."""
+    t = tables.iq_tables(torch.device("cpu"))
+    words = t.iq3xxs_sign_words.to(torch.int64).reshape(128, 2, 2)  # [index, half, (N, A)]
+    grid = t.iq3xxs_grid_packed.to(torch.int64) & 0xFFFFFFFF  # [256]
+    mags = t.iq3xxs_grid.reshape(256, 4).to(torch.int64)
+    for half in range(2):
+        u = ((grid[None, :] ^ words[:, half, 0, None]) + words[:, half, 1, None]) & 0xFFFFFFFF  # [128, 256]
+        got = (u[:, :, None] >> (8 * torch.arange(4))) & 0x7F  # [128, 256, 4]
+        bits = (t.ksigns.to(torch.int64)[:, None] >> (4 * half + torch.arange(4))) & 1  # [128, 4]
+        signs = 1 - 2 * bits
+        assert torch.equal(got, 64 + signs[:, None, :] * mags[None, :, :])
 
 
 @pytest.mark.parametrize("plant", ["grid_rows_rolled", "iq4_levels_reversed", "one_flipped_bit"])

@@ -5,11 +5,14 @@ twin, dequantize + matmul) against the exact product ``x @ W^T`` in float64 of t
 its twin too, and ``quant_linear``'s choice between the fused kernel and dequantize + dense matmul.
 
 Every type on random blocks; W rows 3, 5 and 40 (ragged tiles of 16 and 32 rows), K of one to three blocks
-(256, 512, 768; Q8_0 96 and 256); x rows 1 (the decode path: no dot), 3, 8 and 17 (one 16- or 32-row tile of a
-dot); K split in 1, 2 and 3 ranges (a ragged last one). x is a column slice of a NaN-poisoned buffer, so a read
-outside its rows or K columns shows; ``out`` a slice of a NaN buffer, so a write outside it shows. A second
-call gives the same bits (split-K's counters reset). Planted bugs (the bytes' nibbles swapped, d and dmin
-swapped) must fail NUMERIC. On CUDA, a CUDA-graph replay equals the eager call bit for bit.
+(256, 512, 768; Q8_0 96 and 256); x rows 1 (the one-row paths: no dot), 3, 8 and 17 (one 16- or 32-row tile of a
+dot); K split in 1, 2 and 3 ranges (a ragged last one). Then every path under every tiling: rows 1, 2, 16 and 64
+(the one-row paths; the verify dot at its 16- and 64-row tiles) against an odd R (ragged 16- and 64-row tiles),
+in 64-row programs unsplit, split in 3 (a ragged last split), 16-row programs split in 2, and the default. x is a
+column slice of a NaN-poisoned buffer, so a read outside its rows or K columns shows; ``out`` a slice of a NaN
+buffer, so a write outside it shows. A second call gives the same bits (split-K's counters reset; no atomics
+on values). Planted bugs (the bytes' nibbles swapped, d and dmin swapped) must fail NUMERIC on the one-row and
+the verify path. On CUDA, a CUDA-graph replay equals the eager call bit for bit.
 """
 
 from __future__ import annotations
@@ -77,6 +80,31 @@ def test_fused_matches_exact_product(impl_device, report, qtype):
                     report.numeric(what + "/twin", got, quant_matmul_torch(xd, qw), NUMERIC_BOUND[dtype])
                     if n == 8:  # the counters are zero again: same tiles, same bits
                         assert torch.equal(run(impl, xd, qw, config), got), f"{what}: a second call differs"
+
+
+PATH_CONFIGS = (None, QuantMatmulConfig(block_r=64, num_warps=2), QuantMatmulConfig(block_r=64, split_k=3),
+                QuantMatmulConfig(block_r=16, split_k=2, num_warps=1))
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_every_path_and_tiling(device, report, qtype):
+    """Rows 1, 2, 16, 64 against R = 37 and K of three tiles, each of PATH_CONFIGS, fp32 and fp16: NUMERIC against
+    the exact product and the twin, and a second call gives the same bits."""
+    k = 96 if qtype == Q.Q8_0 else 768
+    qw = make_weight(qtype, (37, k), seed=400)[0].to(device)
+    gen = torch.Generator().manual_seed(400)
+    for n in (1, 2, 16, 64):
+        x = torch.randn(n, k, generator=gen)
+        for dtype in (torch.float32, torch.float16):
+            xd = poisoned_rows(x.to(device, dtype))
+            want, twin = exact(xd, qw), quant_matmul_torch(xd, qw)
+            for config in PATH_CONFIGS:
+                got = quant_matmul_triton(xd, qw, config)
+                what = f"{qtype.name}/n{n}/{str(dtype)[6:]}/{config}"
+                report.numeric(what, got, want, NUMERIC_BOUND[dtype])
+                report.numeric(what + "/twin", got, twin, NUMERIC_BOUND[dtype])
+                assert torch.equal(quant_matmul_triton(xd, qw, config), got), f"{what}: a second call differs"
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -169,10 +197,11 @@ def exact_experts(x: torch.Tensor, qw: QuantWeight, ids: torch.Tensor) -> torch.
     return torch.stack([x[p].double().cpu() @ w[int(ids[p])].T for p in range(x.shape[0])])
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.IQ3_XXS], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
 def test_experts_match_exact_product(impl_device, report, qtype):
     """7 pairs over 4 experts (one chosen three times, one twice): each row against its expert, NUMERIC; the
-    kernel split and unsplit, and a planted bug (every id one off) must fail."""
+    kernel split and unsplit (the default tiles, and 16-row tiles in two splits), and a planted bug (every id one
+    off) must fail."""
     impl, device = impl_device
     k = col_sizes(qtype)[1]
     qw = make_weight(qtype, (4, 40, k), seed=300)[0].to(device)
@@ -220,14 +249,15 @@ def swap_d_dmin(qw: QuantWeight) -> QuantWeight:
     return QuantWeight(data.reshape(qw.data.shape), qw.qtype, qw.shape)
 
 
+@pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("plant", ["nibble_order", "d_dmin_swapped"])
-def test_planted_bugs_are_caught(impl_device, report, plant):
+def test_planted_bugs_are_caught(impl_device, report, plant, rows):
     """The product computed from Q4_K bytes read wrongly (what a decoder with the bug would compute) fails
-    NUMERIC against the true weight's exact product."""
+    NUMERIC against the true weight's exact product, on the one-row path and the verify path."""
     impl, device = impl_device
     qw = make_weight(Q.Q4_K, (16, 256), seed=9)[0].to(device)
     wrong = swap_nibbles(qw, 16, 144) if plant == "nibble_order" else swap_d_dmin(qw)
-    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(9)).to(device)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(9)).to(device)
     report.numeric("clean", run(impl, x, qw, SPLIT2), exact(x, qw), NUMERIC_BOUND[torch.float32])
     with pytest.raises(AssertionError, match="rms-relative"):
         report.numeric(plant, run(impl, x, wrong, SPLIT2), exact(x, qw), NUMERIC_BOUND[torch.float32])

@@ -12,6 +12,13 @@ The Triton decoders read the grid packed (``iq3xxs_grid_packed``: codeword g's f
 one int32, so a lookup touches a 1 KiB table, 8 cache lines, rather than 4 KiB) and compute the sign byte as
 ``i | parity(i) << 7`` (no lookup at all; conformance/ops/test_quant_dequant.py holds that formula to gguf-py's
 table, entry by entry).
+
+The fused matmul (``quant_matmul.py``) also reads ``iq3xxs_sign_words``: for each 7-bit sign index i, the sign byte
+``ksigns[i]`` spread over two words per half (values 0-3 and 4-7 of its group of 8), ``[N_lo, A_lo, N_hi, A_hi]``
+int32: ``N`` has byte k = 0x7F where value k is negative, ``A`` = (byte k = 1 where negative) + 0x40404040. For a
+grid word G of four magnitudes m_k (4..62), the low 7 bits of byte k of ``(G ^ N) + A`` are 64 + s_k m_k
+(s_k = +-1: a negative byte is 127 - m + 1 + 64 = 192 - m, 64 - m modulo 128; no carry leaves a byte): the signed
+values in offset binary, four at a time, from one 16-byte lookup per 8 values.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ class IQTables(NamedTuple):
     ksigns: Tensor  # uint8 [128]
     iq4_kvalues: Tensor  # float32 [16] (the int8 levels, exact in fp32)
     iq3xxs_grid_packed: Tensor  # int32 [256]: byte i of entry g is grid[g][i]
+    iq3xxs_sign_words: Tensor  # int32 [128 * 4]: N_lo, A_lo, N_hi, A_hi of sign index i (module docstring)
 
 
 def _iq3xxs_grid() -> np.ndarray:
@@ -44,4 +52,13 @@ def iq_tables(device: torch.device) -> IQTables:
     ksigns = torch.frombuffer(bytearray(quants.IQ2_XXS.ksigns), dtype=torch.uint8)
     kvalues = torch.tensor(quants.IQ4_NL.kvalues, dtype=torch.float32)
     packed = torch.from_numpy(_iq3xxs_grid().astype(np.uint8).copy()).view(torch.int32).reshape(256)  # little-endian
-    return IQTables(grid.to(device), ksigns.to(device), kvalues.to(device), packed.to(device))
+    return IQTables(grid.to(device), ksigns.to(device), kvalues.to(device), packed.to(device),
+                    _sign_words(ksigns).to(device))
+
+
+def _sign_words(ksigns: Tensor) -> Tensor:
+    """``[N_lo, A_lo, N_hi, A_hi]`` of each sign index (module docstring), int32 ``[128 * 4]``."""
+    bits = (ksigns.to(torch.int64)[:, None] >> torch.arange(8)) & 1  # [128, 8]: value k negative
+    lsb = (bits.reshape(128, 2, 4) << (8 * torch.arange(4))).sum(-1)  # [128, 2]: byte k = 1 where negative
+    words = torch.stack([lsb * 0x7F, lsb + 0x40404040], dim=-1)  # [128, 2 halves, (N, A)]
+    return words.reshape(-1).to(torch.int32)
