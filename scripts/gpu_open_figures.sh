@@ -8,9 +8,14 @@
 #
 # Stages (issue: what it measures):
 #   moe_tests   34: the grouped MoE GEMM, router and MoE prefill layer conformance on CUDA, the memory plan
+#   ops_tests   33, 34: the prefill kernels of session 9 on CUDA (paged attention's prefill kernel, the GDN prologue
+#               for prefill chunks, the router's GEMM form): their first compiles take over a minute
 #   quant_tests 35: the GGUF dequantize and fused dequant-matmul kernels' conformance on CUDA
 #   bench_moe   34: bench_moe.py --prefill: the grouped GEMM at prefill chunk sizes beside its floor
-#   bench_quant 35: bench_quant_linear.py at the 27B and 35B-A3B shapes (fused vs dequantize + GEMM vs bf16)
+#   bench_quant 35: bench_quant_linear.py at the 27B and 35B-A3B shapes: the fused kernel at 1, 8, 16, 64 rows beside
+#               the quantized bytes' floor, with its config sweep (set default_config from it)
+#   attn_prefill 34: bench_paged_attention.py --prefill: the prefill attention kernel beside its FLOPs floor and the
+#               torch twin, with its tile sweep (set prefill_plan's defaults from it)
 #   b35         34: ft bench 35B-A3B shape: 4,096-token prefill tok/s, KV tokens plain and DFlash k=7, one-request
 #               decode and DFlash steps (the issue's "no slower" figures: 4.10 / 9.11 ms)
 #   b27         32, 34: ft bench 27B shape: 4,096-token prefill, one-request decode and DFlash k=7 steps (issue 32's
@@ -58,11 +63,15 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
   case $stage in
     moe_tests) step "$stage" 150 python3 -m pytest -q -p no:cacheprovider conformance/ops/test_moe_grouped.py \
       conformance/ops/test_moe_router.py conformance/layers/test_fast_moe_prefill.py conformance/gpu/test_memory_plan.py ;;
-    quant_tests) step "$stage" 150 python3 -m pytest -q -p no:cacheprovider conformance/ops/test_quant_dequant.py \
+    ops_tests) step "$stage" 240 python3 -m pytest -q -p no:cacheprovider conformance/ops/test_paged_attention.py \
+      conformance/ops/test_gdn_prologue.py conformance/ops/test_moe_router.py ;;
+    quant_tests) step "$stage" 240 python3 -m pytest -q -p no:cacheprovider conformance/ops/test_quant_dequant.py \
       conformance/ops/test_quant_linear.py ;;
     bench_moe) step "$stage" 80 python3 bench/kernels/bench_moe.py --prefill 256,512,2048,4096 --out "$O/bench_moe.json" ;;
-    bench_quant) step "$stage" 120 python3 bench/kernels/bench_quant_linear.py --out "$O/bench_quant.json" \
-      --only 27b.mlp.down,35b.mlp.experts.gate_up --rows 1,8,64 ;;
+    bench_quant) for shape in 27b 35b; do step "$stage-$shape" 280 python3 bench/kernels/bench_quant_linear.py \
+      --out "$O/bench_quant-$shape.json" --only $shape --rows 1,8,16,64 --sweep --no-baselines; done ;;
+    attn_prefill) step "$stage" 240 python3 bench/kernels/bench_paged_attention.py --prefill --sweep \
+      --out "$O/attn_prefill.json" ;;
     b35) step "$stage" 260 $BENCH $S35 --runs off:1:4096,dflash7:1:4096 --out "$O/b35" ;;
     b27) step "$stage" 220 $BENCH $S27 --runs off:1:4096,dflash7:1:4096 --out "$O/b27" ;;
     b27c16) step "$stage" 200 $BENCH $S27 --runs dflash7:16:512,off:16:512 --out "$O/b27c16" ;;
