@@ -176,6 +176,31 @@ def launch_plan(num_seqs: int, heads: int, kv_heads: int, dim: int, max_query_le
     return LaunchPlan(d_pad, m_pad, block_n, split_len, max(1, -(-max_context // split_len)), num_warps)
 
 
+# The online softmax's step (flash attention), shared by this module's two kernels and the draft's ring attention
+# (draft/ring_attention.py). For one tile of keys, scores in base 2 (q . k D^-1/2 log2 e, -inf where not visible):
+#     m_new = max(m, max_j s_j),   l = l 2^(m - m_new) + sum_j 2^(s_j - m_new),
+#     acc = acc 2^(m - m_new) + sum_j 2^(s_j - m_new) v_j
+# so after the last tile acc / l is the softmax-weighted sum of the values (a row that has seen nothing keeps 0 as
+# its shift). fp32 inputs (IEEE) multiply in fp32; bf16/fp16 round the probabilities to v's dtype for the
+# tensor-core product, with fp32 accumulation.
+
+
+@triton.jit
+def online_softmax_step(acc, m_i, l_i, scores, v, IEEE: tl.constexpr):
+    """``scores [M, N]`` (base 2, -inf where not visible), ``v [N, D]``, running ``m_i, l_i [M]`` and ``acc
+    [M, D]`` fp32. Returns ``(acc, m_new, l_i)``."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=["num_pages", "num_splits", "split_len"])
 def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_ptr, pos_ptr, out_ptr, po_ptr, plse_ptr,
                   stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, stride_on, stride_oh,
@@ -226,16 +251,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_ptr, pos_ptr, out_ptr
             scores = tl.dot(q, tl.trans(k))
         visible = readable[None, :] & (t[None, :] <= query_pos[:, None])
         scores = tl.where(visible, scores * scale_log2, -float("inf"))  # [M_PAD, BLOCK_N], base 2
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, scores, v, IEEE)
         page = page_next
         j += BLOCK_N
 
@@ -409,16 +425,7 @@ def _prefill_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, stride_kn, stride_vn
     else:  # below the block's first row: every row sees every readable key
         visible = readable[None, :]
     scores = tl.where(visible, scores * scale_log2, -float("inf"))  # [BLOCK_M, BLOCK_N], base 2
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(scores - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, l_i
+    return online_softmax_step(acc, m_i, l_i, scores, v, IEEE)
 
 
 @triton.jit(do_not_specialize=["num_pages"])

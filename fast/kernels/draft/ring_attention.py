@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..attention.paged_attention import MERGE_SPLITS, plan_splits
+from ..attention.paged_attention import MERGE_SPLITS, online_softmax_step, plan_splits
 from ..common.pdl import launch_options, pdl_enabled
 from ..common.dispatch import GpuForm, KernelOp
 from ..common.triton_compat import tl, triton
@@ -212,16 +212,7 @@ def _ring_split_kernel(q_ptr, bk_ptr, bv_ptr, rk_ptr, rv_ptr, ring_slot_ptr, anc
                 scores = tl.dot(q, tl.trans(ctx_k)) * scale_log2
             seen = readable[None, :] & (t[None, :] >= row_i[:, None])
             scores = tl.where(seen, scores, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, ctx_v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(ctx_v.dtype), ctx_v)
-            m_i = m_new
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, scores, ctx_v, IEEE)
 
     seen_any = l_i > 0
     o = acc / tl.where(seen_any, l_i, 1.0)[:, None]
