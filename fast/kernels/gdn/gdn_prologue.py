@@ -1,5 +1,6 @@
 """The Gated DeltaNet prologue: its torch form :func:`gdn_prologue_torch` and, for every step kind (decode,
-verify, prefill chunks), one kernel (reference/model/gdn.py: the causal conv, silu, the L2 norms, the decay and the write strength).
+verify, prefill chunks), one kernel (reference/model/gdn.py: the causal conv, silu, the L2 norms, the decay and
+the write strength).
 
 From the fused input projection's rows (conv inputs ``x [N, Cd]``, ``b, a [N, Hv]``), with the conv
 continuing from each sequence's state (``conv_states[state_index[b]]``, the last K-1 inputs oldest

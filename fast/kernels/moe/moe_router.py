@@ -34,10 +34,12 @@ bandwidth) and against the torch sequence it replaced, which it beats about thre
 
 Past :data:`GEMM_ROWS` rows (prefill chunks) kernel 1 gives way to one cuBLAS GEMM of the same fp32 products
 (``x.float() @ W_router^T``, TF32 off; the logits written as the single partial, S = 1) and kernel 2 selects
-from it as above: at a prefill chunk's thousands of rows the GEMV's CUDA-core products lose to the GEMM's (at
-2,048 rows, 0.29 ms a layer against the GEMM's tens of microseconds: the 35B-A3B's 4,096-token prefill spent
-23 ms of its 239 in kernel 1; measured: bench/results/2026-12-07d-h100-prefill-host/prefill35.log). Where TF32 is
-on for fp32 matmuls (a global torch setting) the kernel stays, so the products are fp32 at every size.
+from it as above. Why: at a prefill chunk's thousands of rows kernel 1's CUDA-core products are slow (0.29 ms a
+layer at 2,048 rows: 23 ms of the 35B-A3B's 4,096-token prefill, whose kernels took 239 ms; measured:
+bench/results/2026-12-07d-h100-prefill-host/prefill35.log), where the GEMM's 2 GFLOP should take tens of
+microseconds (an estimate; ``bench/kernels/bench_moe_router.py --rows`` times both forms, and where GEMM_ROWS
+should sit: 256 is not measured). Where TF32 is on for fp32 matmuls (a global torch setting) the kernel stays, so
+the products are fp32 at every size.
 
 Two launches rather than one: the select's ``[rows, E]`` tiles inside the GEMV's 8-warp programs would cost
 more than the launch saved (a fused form, dropped: bench/results/2026-12-04-h200-perf14/).
@@ -71,7 +73,7 @@ from ..common.triton_compat import tl, triton
 
 MAX_EXPERTS = 1024  # kernel 2 keeps a row's E probabilities in registers
 MAX_TOP_K = 64  # kernel 2 unrolls k rounds
-GEMM_ROWS = 256  # past this many rows the logits are one fp32 cuBLAS GEMM (module docstring)
+GEMM_ROWS = 256  # past this many rows the logits are one fp32 cuBLAS GEMM (module docstring; not yet measured)
 
 
 def gemm_logits_exact() -> bool:
