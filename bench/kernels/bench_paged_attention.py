@@ -262,13 +262,19 @@ def run_prefill_sweep(model: str, batch: int, rows: int, context: int, gen: torc
     return out
 
 
+def parse_shapes(spec: str | None, default):
+    """``--sweep-shapes`` (``model:batch:rows:context,...``) as tuples, or ``default``."""
+    if spec is None:
+        return default
+    return [(m, int(b), int(r), int(c)) for m, b, r, c in (item.split(":") for item in spec.split(","))]
+
+
 def main_prefill(args) -> None:
     rows_list = tuple(int(n) for n in args.rows.split(",")) if args.rows else PREFILL_ROWS
     contexts = tuple(int(n) for n in args.contexts.split(",")) if args.contexts else PREFILL_CONTEXTS
     shapes = [(model, 1, rows, context) for model in MODELS for rows in rows_list for context in contexts
               if rows <= context] + [("35b-a3b", 4, 512, 4096)]
-    sweep_shapes = PREFILL_SWEEP_SHAPES if args.sweep_shapes is None else [
-        (m, int(b), int(r), int(c)) for m, b, r, c in (spec.split(":") for spec in args.sweep_shapes.split(","))]
+    sweep_shapes = parse_shapes(args.sweep_shapes, PREFILL_SWEEP_SHAPES)
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
@@ -324,8 +330,7 @@ def main() -> None:
     if args.prefill:
         main_prefill(args)
         return
-    sweep_shapes = SWEEP_SHAPES if args.sweep_shapes is None else [
-        (m, int(b), int(r), int(c)) for m, b, r, c in (spec.split(":") for spec in args.sweep_shapes.split(","))]
+    sweep_shapes = parse_shapes(args.sweep_shapes, SWEEP_SHAPES)
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)

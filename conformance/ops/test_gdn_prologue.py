@@ -231,12 +231,6 @@ def test_gdn_prologue_matches_reference(impl_device, report, name):
                 assert got.scratch.nan_to_num().equal(twin.scratch.nan_to_num())
 
 
-def test_torch_form_takes_prefill_chunks(report):
-    """The torch form (the fused kernel refuses these) handles a non-verify step of several rows."""
-    case = make_case([3, 5], 1, 2, 4, 6, 4, (0,), False, seed=9)
-    check("torch", case, "cpu", torch.float32, report)
-
-
 def test_refusals():
     case = make_case([1, 1], 1, 2, 4, 6, 4, (), False, seed=2)
     meta = step_meta(case, "cpu")
