@@ -20,10 +20,13 @@ A request's life (mini-sglang's, with a prefix cache for hybrid targets: ``prefi
    engine snapshots the request's state.
 4. Decode/verify steps: every request whose prompt is done contributes its anchor (the last
    committed token, not yet through the target) and ``k`` drafts. Prefill steps and decode steps
-   are separate and alternate while both have work: after a prefill step, the requests already
-   decoding take a step before the next chunk, so a long prompt stalls them for one chunk at a
-   time, never for its whole prefill (otherwise a step is a prefill step whenever some admitted
-   prompt is unfinished or a waiting request can be admitted).
+   are separate. A decoding request waits for at most one prefill step between two of its tokens:
+   after a prefill step that stalled requests already decoding, they take a step before the next
+   chunk, so a long prompt stalls them for one chunk at a time, never for its whole prefill. A
+   prefill step stalls nobody when the only requests decoding are those whose first token it
+   produced, so prompts that arrive while one is prefilled run next, back to back with it (a burst
+   of arrivals does not wait for a decode step between its prefill steps). Otherwise a step is a
+   prefill step whenever some admitted prompt is unfinished or a waiting request can be admitted.
 5. Finish: a stop id (unless ``ignore_eos``), a stop string, ``max_tokens`` or ``max_model_len``
    (finish reason ``length``); the slot, the pages and the unused reservation return to the pools.
 
@@ -205,7 +208,9 @@ class Scheduler:
         # prefix_cache: builds the cache over this scheduler's pages (None: no prefix caching)
         self.prefix: PrefixCache | None = prefix_cache(self.pages) if prefix_cache is not None else None
         self._restores: list[Restore] = []  # hits admitted by the schedule() being planned
-        self._prefilled_last = False  # the last step planned was a prefill step (decode steps go between them)
+        # the last step planned was a prefill step while requests were decoding: they take the next step, so none
+        # waits for two prefill steps between two of its tokens
+        self._stalled_decodes = False
         self.free_slots: deque[int] = deque(range(max_running_req))
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted, in admission order
@@ -273,15 +278,15 @@ class Scheduler:
             self._restores.append(Restore(req, hit.snapshot.slot, hit.length, hit.copy_page, copy_dst))
 
     def schedule(self) -> PrefillPlan | DecodePlan | None:
-        """The next step: prompt chunks if any prompt can advance (unless the last step was one and requests are
-        decoding: their turn), else one decode/verify step for all that are decoding."""
+        """The next step: prompt chunks if any prompt can advance (unless the last step was a prefill step that
+        stalled requests already decoding: their turn), else one decode/verify step for all that are decoding."""
         decoding = [r for r in self.running if r.prefill_done]
-        if not (decoding and self._prefilled_last):
+        if not (decoding and self._stalled_decodes):
             plan = self._schedule_prefill()
             if plan is not None:
-                self._prefilled_last = True
+                self._stalled_decodes = bool(decoding)
                 return plan
-        self._prefilled_last = False
+        self._stalled_decodes = False
         if not decoding:
             return None
         k = self.choose_depth(len(decoding))

@@ -124,7 +124,8 @@ def test_decode_steps_go_between_the_chunks_of_a_long_prompt():
             assert plan.reqs == [r for r in (a, b) if r.prefill_done]
             for r in plan.reqs:
                 r.output_ids.append(1)
-    assert kinds == ["DecodePlan", "PrefillPlan"] * 3  # a decoded first: the step before was a prefill (its own)
+    # b's first chunk goes first (the step before was a's own prefill, which stalled nobody); then they alternate
+    assert kinds == ["PrefillPlan", "DecodePlan"] * 3
     c = req(2, 9, 5)
     s.finish(a, "stop")
     s.finish(b, "stop")
@@ -133,6 +134,27 @@ def test_decode_steps_go_between_the_chunks_of_a_long_prompt():
     for plan in plans:
         assert isinstance(plan, PrefillPlan)
         run_prefill(s, plan)
+
+
+def test_prompts_arriving_while_one_prefills_run_back_to_back_with_it():
+    """a's prefill step produces its first token and stalls nobody, so b (arrived meanwhile) prefills next; b's
+    step stalled a, so a decodes before c's prefill."""
+    s = scheduler(max_running_req=3, max_num_batched_tokens=4)
+    a, b, c = req(0, 3, 5), req(1, 3, 5), req(2, 3, 5)
+    s.add(a)
+    plan = s.schedule()
+    s.add(b)
+    run_prefill(s, plan)
+    plan = s.schedule()
+    assert isinstance(plan, PrefillPlan) and [ch.req for ch in plan.chunks] == [b]
+    s.add(c)
+    run_prefill(s, plan)
+    plan = s.schedule()
+    assert isinstance(plan, DecodePlan) and plan.reqs == [a, b]
+    for r in plan.reqs:
+        r.output_ids.append(1)
+    plan = s.schedule()
+    assert isinstance(plan, PrefillPlan) and [ch.req for ch in plan.chunks] == [c]
 
 
 def test_k_shrinks_near_the_end_and_is_zero_with_one_token_left():
@@ -163,24 +185,38 @@ def test_random_runs_keep_every_page_and_slot_accounted(seed, k, page_size):
     s = scheduler(k=k, page_size=page_size, num_pages=40, max_running_req=3,
                   max_num_batched_tokens=rng.choice([1, 5, 16]))
     reqs = [req(i, rng.randint(1, 20), rng.randint(1, 12)) for i in range(rng.randint(1, 8))]
-    for r in reqs:
-        s.add(r)
+    arriving = list(reqs)  # some at once, the rest one by one between steps
+    for _ in range(rng.randint(1, len(arriving))):
+        s.add(arriving.pop(0))
+    prefill_steps_since_token: dict[int, int] = {}  # decoding request -> prefill steps it has waited through
     for _ in range(500):
+        if arriving and rng.random() < 0.3:
+            s.add(arriving.pop(0))
         if not s.has_work:
-            break
+            if not arriving:
+                break
+            continue
         plan = s.schedule()
         if isinstance(plan, PrefillPlan):
+            for rid in prefill_steps_since_token:
+                prefill_steps_since_token[rid] += 1
+                assert prefill_steps_since_token[rid] <= 1, "a decoding request waited through two prefill steps"
             run_prefill(s, plan)
             for c in plan.chunks:
                 assert c.req.pages and len(c.req.pages) * page_size >= c.start + c.length
-                if c.completes_prompt and check_finished(c.req, []):
-                    s.finish(c.req, "length")
+                if c.completes_prompt:
+                    prefill_steps_since_token[c.req.rid] = 0
+                    if check_finished(c.req, []):
+                        s.finish(c.req, "length")
         else:
-            for r, k in zip(plan.reqs, plan.ks):
-                assert 0 <= k <= k and r.anchor_position + k < r.budget_tokens
-                assert len(r.pages) * page_size >= r.anchor_position + k + 1
-                if check_finished(r, [5] * rng.randint(1, k + 1)):
+            for r, k_req in zip(plan.reqs, plan.ks):
+                assert 0 <= k_req <= k and r.anchor_position + k_req < r.budget_tokens
+                assert len(r.pages) * page_size >= r.anchor_position + k_req + 1
+                prefill_steps_since_token[r.rid] = 0
+                if check_finished(r, [5] * rng.randint(1, k_req + 1)):
                     s.finish(r, "length")
+        prefill_steps_since_token = {rid: n for rid, n in prefill_steps_since_token.items()
+                                     if not reqs[rid].finished}
         running = s.running
         assert len(running) <= 3 and len({r.slot for r in running}) == len(running)
         held = [p for r in running for p in r.pages]
