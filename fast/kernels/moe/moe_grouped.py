@@ -162,7 +162,7 @@ def _block_and_tile(num_blocks_ptr, block_experts_ptr, sorted_pairs_ptr, num_pai
     return live, tile, e, slots, pairs, pairs < num_pairs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # one compile serves every chunk size: none at a new size mid-serve
 def _grouped_gate_up_kernel(x_ptr, gate_up_ptr, h_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
                             num_pairs, C: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                             NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
@@ -192,7 +192,7 @@ def _grouped_gate_up_kernel(x_ptr, gate_up_ptr, h_ptr, sorted_pairs_ptr, block_e
         tl.store(h_ptr + slots[:, None] * I + i_offs[None, :], h.to(h_ptr.dtype.element_ty), mask=in_i[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # one compile serves every chunk size: none at a new size mid-serve
 def _grouped_down_kernel(h_ptr, down_ptr, partials_ptr, sorted_pairs_ptr, block_experts_ptr, num_blocks_ptr,
                          num_pairs, C: tl.constexpr, I: tl.constexpr, NUM_TILES: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -36,10 +36,12 @@ Past :data:`GEMM_ROWS` rows (prefill chunks) kernel 1 gives way to one cuBLAS GE
 (``x.float() @ W_router^T``, TF32 off; the logits written as the single partial, S = 1) and kernel 2 selects
 from it as above. Why: at a prefill chunk's thousands of rows kernel 1's CUDA-core products are slow (0.29 ms a
 layer at 2,048 rows: 23 ms of the 35B-A3B's 4,096-token prefill, whose kernels took 239 ms; measured:
-bench/results/2026-12-07d-h100-prefill-host/prefill35.log), where the GEMM's 2 GFLOP should take tens of
-microseconds (an estimate; ``bench/kernels/bench_moe_router.py --rows`` times both forms, and where GEMM_ROWS
-should sit: 256 is not measured). Where TF32 is on for fp32 matmuls (a global torch setting) the kernel stays, so
-the products are fp32 at every size.
+bench/results/2026-12-07d-h100-prefill-host/prefill35.log); the GEMM takes 76 us there. Measured on an H100 per
+layer of the 35B-A3B router (``bench/kernels/bench_moe_router.py --rows``, graph replays; bench/results/
+2026-12-07e-h100-serve-prefill/router_cross.log), kernel 1 + 2 against GEMM + kernel 2: 15.7 / 17.5 us at 64
+rows, 25.9 / 18.2 at 128, 42.9 / 24.1 at 256, 285 / 76 at 2,048; GEMM_ROWS = 96 splits the unmeasured gap
+between 64 and 128 (a 16-request verify step of 128 rows takes the GEMM). Where TF32 is on for fp32 matmuls (a
+global torch setting) the kernel stays, so the products are fp32 at every size.
 
 Two launches rather than one: the select's ``[rows, E]`` tiles inside the GEMV's 8-warp programs would cost
 more than the launch saved (a fused form, dropped: bench/results/2026-12-04-h200-perf14/).
@@ -73,7 +75,7 @@ from ..common.triton_compat import tl, triton
 
 MAX_EXPERTS = 1024  # kernel 2 keeps a row's E probabilities in registers
 MAX_TOP_K = 64  # kernel 2 unrolls k rounds
-GEMM_ROWS = 256  # past this many rows the logits are one fp32 cuBLAS GEMM (module docstring; not yet measured)
+GEMM_ROWS = 96  # past this many rows the logits are one fp32 cuBLAS GEMM (module docstring: the measured crossover)
 
 
 def gemm_logits_exact() -> bool:
@@ -152,7 +154,7 @@ def route_torch(x: Tensor, w_router: Tensor, top_k: int, *, shared_gate: bool = 
 
 # -- Triton ---------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # one compile serves every row count: none at a new size mid-serve
 def _router_logits_kernel(x_ptr, w_ptr, partials_ptr, rows, C: tl.constexpr, E: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
                           SPLIT_C: tl.constexpr):
