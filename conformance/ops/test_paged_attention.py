@@ -213,9 +213,21 @@ def test_prefill_plan_fits_shared_memory(monkeypatch, heads, kv_heads, dim, dtyp
     plan = prefill_plan(1, heads, kv_heads, dim, 2048, itemsize, torch.device("cpu"))
     assert (plan.block_m, plan.block_n, plan.heads_per_program) == (block_m, block_n, heads_per_program)
     staged = (plan.block_m + 2 * plan.num_stages * plan.block_n) * plan.d_pad * itemsize
-    assert staged <= kernel_module.PREFILL_SMEM
+    assert staged <= kernel_module._prefill_smem(torch.device("cpu"))
     # a 512-row chunk of 16 heads would make 64 programs of 128 rows: 64-row tiles instead
     assert prefill_plan(1, 16, 2, 256, 512, 2, torch.device("cpu")).block_m == 64
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(16, 2), (24, 4)])  # the 35B-A3B, the 27B
+def test_prefill_plan_takes_64_key_tiles_where_the_device_has_an_h100s_shared_memory(monkeypatch, heads, kv_heads):
+    """With 227 KB a block (H100, H200) less the margin, a 2,048-row bf16 chunk at D = 256 gets 128 x 64 tiles in
+    two stages, the sweep's fastest for both shapes; with PREFILL_SMEM (160 KB), 128 x 32."""
+    monkeypatch.setattr(kernel_module, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(kernel_module, "_prefill_smem", lambda device: 227 * 1024 - kernel_module.SMEM_MARGIN)
+    plan = prefill_plan(1, heads, kv_heads, 256, 2048, 2, torch.device("cpu"))
+    assert (plan.block_m, plan.block_n, plan.num_stages, plan.num_warps) == (128, 64, 2, 8)
+    monkeypatch.setattr(kernel_module, "_prefill_smem", lambda device: kernel_module.PREFILL_SMEM)
+    assert prefill_plan(1, heads, kv_heads, 256, 2048, 2, torch.device("cpu")).block_n == 32
 
 
 @pytest.mark.parametrize("num_seqs,kv_heads,context,tile_rows", [

@@ -76,9 +76,20 @@ MAX_TILE_ROWS = 128  # Tq * G, padded: larger tiles spill registers at D = 256
 PROGRAMS_PER_SM = 2  # target grid of the split kernel: two programs in flight per SM hide more load latency
 MIN_SPLIT_LEN = 64  # shorter splits cost more in the merge (more partials per row) than they gain
 MERGE_SPLITS = 64  # splits the merge reads in one tile
-# shared memory the prefill kernel's default tiles may take for Q and the staged K/V tiles: an H100's 227 KB
-# per block less room for the compiler's own layout conversions
+# shared memory the prefill kernel's default tiles may take for Q and the staged K/V tiles: the device's most per
+# block less SMEM_MARGIN for the compiler's own layout conversions (an H100: 227 - 32 KB, so 128 x 64 tiles at
+# D = 256 and two stages, the fastest of the tile sweep: bench/results/2026-12-07e-h100-serve-prefill/); off CUDA,
+# PREFILL_SMEM
 PREFILL_SMEM = 160 * 1024
+SMEM_MARGIN = 32 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_smem(device: torch.device) -> int:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"] - SMEM_MARGIN
+    return PREFILL_SMEM
 
 
 @functools.lru_cache(maxsize=None)
@@ -378,9 +389,10 @@ def prefill_plan(num_seqs: int, heads: int, kv_heads: int, dim: int, max_query_l
 
     ``block_m`` 128 rows, or 64 where 128-row tiles would leave SMs idle (fewer programs than SMs: a 512-row
     chunk of 16 heads makes 64) or a 128-row Q tile would take over 64 KB (fp32 at D = 256); ``block_n`` the
-    largest power of two in 16 .. 64 whose ``num_stages`` K and V tiles fit beside Q in ``PREFILL_SMEM``
-    (the compiled kernel's shared memory is Q's tile and ``num_stages`` K and V tiles: 128 KB at 128 x 32 keys,
-    D = 256, bf16); ``heads_per_program`` the largest power of two dividing G (module docstring).
+    largest power of two in 16 .. 64 whose ``num_stages`` K and V tiles fit beside Q in the device's shared memory
+    less ``SMEM_MARGIN`` (``PREFILL_SMEM`` off CUDA; counted as Q's tile and ``num_stages`` K and V tiles: 192 KB at
+    128 x 64 keys, D = 256, bf16, two stages); ``heads_per_program`` the largest power of two dividing G (module
+    docstring).
     """
     d_pad = max(16, _pow2(dim))
     group = heads // kv_heads
@@ -389,7 +401,7 @@ def prefill_plan(num_seqs: int, heads: int, kv_heads: int, dim: int, max_query_l
         wide = num_seqs * max_query_len * heads >= 128 * _sm_count(device)
         block_m = 128 if wide and 128 * d_pad * itemsize <= 64 * 1024 else 64
     if block_n is None:
-        room = (PREFILL_SMEM - block_m * d_pad * itemsize) // (2 * max(num_stages, 1) * d_pad * itemsize)
+        room = (_prefill_smem(device) - block_m * d_pad * itemsize) // (2 * max(num_stages, 1) * d_pad * itemsize)
         block_n = min(64, max(16, 1 << max(room, 1).bit_length() - 1))
     if heads_per_program is None:
         heads_per_program = min(group & -group, block_m)
