@@ -19,6 +19,8 @@ equals the torch form's.
     PYTHONPATH=/tmp/pkg python3 bench/kernels/bench_gdn_verify.py --out r.json      # on the H200, < 60 s
     TRITON_INTERPRET=1 python3 bench/kernels/bench_gdn_verify.py --smoke            # CPU: the script's logic only
     PYTHONPATH=/tmp/pkg python3 bench/kernels/bench_gdn_verify.py --tiles --out t.json  # the state-tile sweep
+    PYTHONPATH=/tmp/pkg python3 bench/kernels/bench_gdn_verify.py --prefill-rows 16,64,129,256,512 --out p.json
+        # a prefill chunk by fla against the recurrence in place (where SHORT_PREFILL_ROWS should sit)
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from dflash2.bench.measure import copy_bandwidth, graph_seconds, rms_rel
+from dflash2.bench.measure import copy_bandwidth, cuda_time, graph_seconds, rms_rel
 from dflash2.fast.kernels.gdn.gdn_commit import commit_verify_torch, commit_verify_triton
 from dflash2.fast.kernels.gdn.gdn_recurrent import gated_delta_rule_verify_triton
 from dflash2.fast.model.pools import GDNSlots, GDNStack
@@ -180,13 +182,67 @@ def tile_sweep(cfg, seqs: int, device: str, gen: torch.Generator) -> list[dict]:
     return out
 
 
+def prefill_compare(cfg, rows_list: list[int], seqs_list: list[int], device: str, gen: torch.Generator) -> list[dict]:
+    """One GDN layer's prefill chunk of B sequences x R rows (bf16 q, k, v), two ways: fla's chunked kernels
+    (``gated_delta_rule_prefill_fla``, the gathered form: states gathered, final states returned) and the Triton
+    recurrence in place (what ``delta_rule.SHORT_PREFILL_ROWS`` sends chunks of up to that many rows to). Per form:
+    eager us between CUDA events (a call's launches and host work included: what a host-bound prefill step
+    pays) and, for the recurrence, the device us of a graph replay; the two outputs' rms difference relative to
+    fla's (NUMERIC bf16 class: fla's products are bf16 tensor-core ones)."""
+    from dflash2.fast.kernels.gdn.gdn_prefill import fla_available, gated_delta_rule_prefill_fla
+
+    out = []
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    for seqs in seqs_list:
+        for rows in rows_list:
+            q, k, v, g, beta = row_inputs(cfg, seqs * rows, device, gen)
+            q, k = q.to(DT), k.to(DT)
+            pool = torch.randn(seqs, hv, dk, dv, generator=gen).to(device) * 0.1
+            index = torch.arange(seqs, device=device)
+            cu = torch.arange(seqs + 1, device=device, dtype=torch.int32) * rows
+            work = pool.clone()
+
+            def recurrence():
+                return gated_delta_rule_verify_triton(q, k, v, g, beta, work, cu, rows, state_index=index,
+                                                      output_final_state=False, final_state_index=index)[0]
+
+            row = {"seqs": seqs, "rows": rows}
+            o_rec = recurrence()
+            work.copy_(pool)
+            row["recurrence_eager_us"] = cuda_time(recurrence) * 1e6
+            row["recurrence_graph_us"] = graph_seconds(recurrence) * 1e6
+            if fla_available():
+                o_fla, _ = gated_delta_rule_prefill_fla(q, k, v, g, beta, pool, cu, state_index=index)
+                row["fla_eager_us"] = cuda_time(
+                    lambda: gated_delta_rule_prefill_fla(q, k, v, g, beta, pool, cu, state_index=index)) * 1e6
+                row["rms_rel_vs_fla"] = rms_rel(o_rec, o_fla)
+            print(f"prefill B={seqs:2d} R={rows:4d}: recurrence in place {row['recurrence_eager_us']:8.1f} us eager, "
+                  f"{row['recurrence_graph_us']:8.1f} us graph; fla {row.get('fla_eager_us', float('nan')):8.1f} us "
+                  f"eager; rms rel {row.get('rms_rel_vs_fla', float('nan')):.1e}", flush=True)
+            out.append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter): logic only")
     ap.add_argument("--tiles", action="store_true", help="only the state-tile sweep (TILES) at the 35B-A3B shapes")
+    ap.add_argument("--prefill-rows", help="only the prefill comparison (prefill_compare) at the 35B-A3B shapes, "
+                                           "at these comma-separated rows per sequence, 1 and 8 sequences")
     args = ap.parse_args()
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    if args.prefill_rows:
+        if device != "cuda":
+            raise SystemExit("--prefill-rows times CUDA kernels: run it on a GPU")
+        rows_list = [int(r) for r in args.prefill_rows.split(",")]
+        result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+                  "prefill": prefill_compare(load_target_config(MODELS["35b-a3b"]), rows_list, [1, 8], device,
+                                             torch.Generator().manual_seed(0))}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     if args.tiles:
         cfg = load_target_config(MODELS["35b-a3b"])
         sweep = {seqs: tile_sweep(cfg, seqs, device, torch.Generator().manual_seed(0)) for seqs in (1, 4)}

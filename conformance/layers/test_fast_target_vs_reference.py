@@ -241,7 +241,8 @@ def test_fast_target_fp32_whole_model_matches_reference(checkpoint, device):
 def test_fast_target_on_the_gdn_kernel_paths_matches_reference(dense_checkpoint):
     """The whole scenario with the GDN layers dispatched as on CUDA (pretended: Triton's interpreter runs
     the kernels on the CPU tensors): the fused prologue, the recurrence reading the slots in place and,
-    in decode steps, writing them in place, and the one-launch commit of every layer. NUMERIC fp32."""
+    in decode steps and prefill chunks of up to SHORT_PREFILL_ROWS rows, writing them in place, and the
+    one-launch commit of every layer. NUMERIC fp32."""
     log = ErrorLog(f"NUMERIC fp32 {dense_checkpoint[0]} target, GDN kernel paths (interpreter)", BOUNDS[torch.float32])
     run = Run(dense_checkpoint, torch.float32, "cpu", log)
     with forced_gpu([gdn_prologue, gdn_recurrence, gated_delta_rule, gdn_commit]):

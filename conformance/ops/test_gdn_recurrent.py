@@ -143,10 +143,13 @@ def test_gdn_recurrent_matches_reference(impl_device, report, shape):
 
 
 def test_gdn_recurrent_without_stored_inputs(impl_device, report):
-    """Decode: no scratch, the final states only; and stored inputs without the final states return None."""
+    """Decode, and a prefill past 16 rows (each program loops to its own sequence's length): no scratch, the final
+    states only; and stored inputs without the final states return None."""
     impl, device = impl_device
     fn = pick(impl, gated_delta_rule_verify_torch, gated_delta_rule_verify_triton)
     case = make_case([1, 1, 1], 2, 4, 16, 16, seed=3)
+    check_gdn_recurrent(fn, case, device, torch.float32, report, store_inputs=False)
+    case = make_case([33, 0, 17, 5], 2, 4, 16, 20, seed=5, zero_start=(2,))
     check_gdn_recurrent(fn, case, device, torch.float32, report, store_inputs=False)
     case = make_case([3, 2], 2, 4, 16, 16, seed=4)
     scratch = poisoned_scratch(case, device, torch.float32)
@@ -175,7 +178,7 @@ def test_gdn_recurrent_stores_bf16_v_into_fp32_scratch(impl_device, report):
         fn(*inputs[:2], case.v.to(device), *inputs[3:], verify_rows=poisoned_scratch(case, device, torch.bfloat16))
 
 
-@pytest.mark.parametrize("lens", [[1, 1, 1, 1], [3, 1, 2]], ids=["decode", "ragged"])
+@pytest.mark.parametrize("lens", [[1, 1, 1, 1], [3, 1, 2], [19, 1, 40]], ids=["decode", "ragged", "prefill"])
 def test_gdn_recurrent_writes_final_states_in_place(impl_device, report, lens):
     """``final_state_index``: the final states land in the pool itself, read and written in place (sequence b
     reads row ``state_index[b]`` and writes the same row; the zero-start one reads nothing and writes a row
@@ -259,3 +262,19 @@ def test_planted_bug_decay_after_update_is_caught(report):
     with pytest.raises(AssertionError, match="rms-relative"):
         check_gdn_recurrent(_decay_after_update_torch, make_case([4, 2, 4], 2, 4, 16, 16, seed=8), "cpu",
                             torch.float32, report, store_inputs=False)
+
+
+def test_short_prefill_chunks_take_the_in_place_recurrence():
+    """The dispatch rule of ``gdn_recurrence``'s GPU form: verify steps at any row count, and decode steps and
+    prefill chunks of up to SHORT_PREFILL_ROWS rows a sequence, run the recurrence in place; longer prefill chunks
+    gather the states for fla's chunked kernels."""
+    from types import SimpleNamespace
+
+    from dflash2.fast.kernels.gdn.delta_rule import SHORT_PREFILL_ROWS, _fits_in_place
+
+    def fits(rows: int, is_verify: bool = False) -> bool:
+        return _fits_in_place(*[None] * 6, SimpleNamespace(is_verify=is_verify, max_query_len=rows), None)
+
+    assert fits(1) and fits(129) and fits(SHORT_PREFILL_ROWS)
+    assert not fits(SHORT_PREFILL_ROWS + 1) and not fits(2048)
+    assert fits(SHORT_PREFILL_ROWS + 1, is_verify=True)

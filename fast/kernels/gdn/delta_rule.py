@@ -12,7 +12,8 @@ of a bf16/fp16 model where fla is installed (``gdn_prefill.py``), else the Trito
 starts from its slot (zeros where ``meta.zero_state``) and, unless the step is a verify, its final state is
 written back to the slot. Its torch form gathers the starting states, runs :data:`gated_delta_rule` and writes
 the final states back; its GPU form, for decode and verify steps, hands the Triton recurrence the pool and each
-sequence's slot (``meta.readable_state_index``) and has it write decode states in place: no state-sized copy.
+sequence's slot (``meta.readable_state_index``) and has it write decode and short prefill states in place (up
+to ``SHORT_PREFILL_ROWS`` rows a sequence): no state-sized copy.
 """
 
 from __future__ import annotations
@@ -85,5 +86,19 @@ def gdn_recurrence_in_place_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b
     return o
 
 
-gdn_recurrence = KernelOp("gdn_recurrence", gdn_recurrence_gathered, GpuForm(
-    gdn_recurrence_in_place_triton, fits=lambda *args: args[6].is_verify or args[6].max_query_len == 1))
+# Prefill chunks of at most this many rows a sequence take the recurrence in place too, not fla's chunked kernels: a
+# short chunk (a chat turn resumed from the prefix cache) is bound by the host, and fla's pipeline costs about 2 ms
+# of host time a layer under cProfile (58 of the 200 ms a 129-row turn of the 35B-A3B took: bench/results/
+# 2026-12-07e-h100-serve-prefill/hostp35.log) where the recurrence is one launch, with no gathered copy of the
+# states. Its device time grows with the rows (one row after another): at 129 rows an estimated 50-100 us a layer,
+# near fla's; 256 is where that estimate still stays within a few ms a forward (not yet measured:
+# bench/kernels/bench_gdn_verify.py --prefill-rows).
+SHORT_PREFILL_ROWS = 256
+
+
+def _fits_in_place(q, k, v, g, beta, recurrent_storage, meta, verify_rows) -> bool:
+    return meta.is_verify or meta.max_query_len <= SHORT_PREFILL_ROWS
+
+
+gdn_recurrence = KernelOp("gdn_recurrence", gdn_recurrence_gathered, GpuForm(gdn_recurrence_in_place_triton,
+                                                                             fits=_fits_in_place))

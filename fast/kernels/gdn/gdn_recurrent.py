@@ -34,9 +34,10 @@ NaN there cannot leak). Out, any of:
 ``gated_delta_rule_verify_torch`` pads the rows to ``[B, max_rows]`` and loops (CPU, or any
 device as a fallback). ``gated_delta_rule_verify_triton``: one program per (sequence, value head,
 Dv block of ``block_v``) keeps its ``[Dk, block_v]`` slice of the state in registers and walks
-the rows (the row count is a constexpr: ``max_rows`` itself up to 16, else the next power of two,
-so a prefill of any length compiles a handful of variants; rows past a sequence's end are masked
-to g = 0, beta = 0, k = 0, which leaves the state unchanged). The program of a value head's first
+the rows (up to 16 the row count is a constexpr, ``max_rows`` itself, and rows past a sequence's
+end are masked to g = 0, beta = 0, k = 0, which leaves the state unchanged; past 16, a prefill
+chunk's program loops over its own sequence's rows, loading row t+1 before row t's math, so one
+compile serves every length and a short sequence does no masked rows). The program of a value head's first
 Dv block stores the row's g and beta (and k, for the first value head of each key head); every
 program stores its own slice of v. The products are elementwise with fp32 reductions over Dk,
 no tensor cores, so fp32 inputs match the reference to rounding.
@@ -69,7 +70,8 @@ from torch import Tensor
 
 from ..common.triton_compat import tl, triton
 
-EXACT_ROWS = 16  # up to this many rows the loop length is max_rows itself; above, the next power of two
+EXACT_ROWS = 16  # up to this many rows the loop length is max_rows itself; above, each sequence's own length (a
+# verify's stored inputs past 16 rows: the next power of two)
 UNROLL_MIN_ROWS = 2  # from 2 rows (a verify) to EXACT_ROWS the row loop is unrolled (module docstring); a decode's
 # one row keeps the plain loop
 # The state tile, of every state-tile program, here and in the commit's replay (one layout, one tl.sum order):
@@ -226,15 +228,24 @@ def delta_rule_step(s, k, v, g, beta):
 
 
 @triton.jit
-def _row_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n, active, stride_q, stride_k, stride_v, stride_g, stride_beta,
-              key_head, h, dk, in_k, dv, in_v, DK: tl.constexpr, DV: tl.constexpr):
-    """Row n's loads, its :func:`delta_rule_step` and ``o_t = S_t^T q_t``: returns (S_t, o_t, k, v, g, beta).
-    An inactive row (past the sequence) loads g = beta = k = 0, which leaves S as it is."""
+def _row_loads(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n, active, stride_q, stride_k, stride_v, stride_g, stride_beta,
+               key_head, h, dk, in_k, dv, in_v, DK: tl.constexpr, DV: tl.constexpr):
+    """Row n's q, k (``[DK_PAD]``), v (``[BLOCK_V]``), g, beta in fp32; an inactive row (past the sequence)
+    loads zeros: g = beta = k = 0 leave S as it is."""
     q = tl.load(q_ptr + n * stride_q + key_head * DK + dk, mask=in_k & active, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + n * stride_k + key_head * DK + dk, mask=in_k & active, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + n * stride_v + h * DV + dv, mask=in_v & active, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + n * stride_g + h, mask=active, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + n * stride_beta + h, mask=active, other=0.0).to(tl.float32)
+    return q, k, v, g, beta
+
+
+@triton.jit
+def _row_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n, active, stride_q, stride_k, stride_v, stride_g, stride_beta,
+              key_head, h, dk, in_k, dv, in_v, DK: tl.constexpr, DV: tl.constexpr):
+    """Row n's loads, its :func:`delta_rule_step` and ``o_t = S_t^T q_t``: returns (S_t, o_t, k, v, g, beta)."""
+    q, k, v, g, beta = _row_loads(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n, active, stride_q, stride_k, stride_v,
+                                  stride_g, stride_beta, key_head, h, dk, in_k, dv, in_v, DK, DV)
     s = delta_rule_step(s, k, v, g, beta)
     return s, tl.sum(s * q[:, None], axis=0), k, v, g, beta
 
@@ -246,7 +257,8 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, state_in
                           ROWS: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, RATIO: tl.constexpr,
                           DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
                           USE_STATE_INDEX: tl.constexpr, STORE_INPUTS: tl.constexpr, STORE_FINAL: tl.constexpr,
-                          STORE_IN_POOL: tl.constexpr, UNROLL: tl.constexpr, ROWS_PAD: tl.constexpr):
+                          STORE_IN_POOL: tl.constexpr, UNROLL: tl.constexpr, ROWS_PAD: tl.constexpr,
+                          TO_LENGTH: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     key_head = h // RATIO
@@ -294,6 +306,18 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, state_in
                             other=0.0).to(tl.float32)
             tl.store(rows_k_ptr + row[:, None] * (HK * DK) + key_head * DK + dk[None, :], k_all,
                      mask=k_live & stores_k)
+    elif TO_LENGTH:  # a prefill chunk: each sequence's own rows, the next row's loads issued before this row's math
+        q, k, v, g, beta = _row_loads(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, bos, seq_len > 0, stride_q, stride_k,
+                                      stride_v, stride_g, stride_beta, key_head, h, dk, in_k, dv, in_v, DK, DV)
+        n = bos  # a while loop: the interpreter cannot take a runtime range bound (triton_compat)
+        while n < bos + seq_len:
+            q_next, k_next, v_next, g_next, beta_next = _row_loads(
+                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n + 1, n + 1 < bos + seq_len, stride_q, stride_k, stride_v,
+                stride_g, stride_beta, key_head, h, dk, in_k, dv, in_v, DK, DV)
+            s = delta_rule_step(s, k, v, g, beta)
+            tl.store(o_ptr + n * (HV * DV) + h * DV + dv, tl.sum(s * q[:, None], axis=0), mask=in_v)
+            q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
+            n += 1
     else:
         for r in range(ROWS):
             active = r < seq_len
@@ -345,7 +369,13 @@ def gated_delta_rule_verify_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b
         return o, final
     dummy = o  # stands in for the pointers a constexpr switch leaves unread
     scratch = (dummy,) * 4 if verify_rows is None else tuple(verify_rows)
-    loop_rows = max_rows if max_rows <= EXACT_ROWS else triton.next_power_of_2(max_rows)
+    # past EXACT_ROWS without a verify's stores, each program loops over its own sequence's rows: one compile for
+    # every prefill length (ROWS unused), and no masked rows past a shorter sequence's end
+    to_length = max_rows > EXACT_ROWS and verify_rows is None
+    if max_rows <= EXACT_ROWS:
+        loop_rows = max_rows
+    else:
+        loop_rows = EXACT_ROWS + 1 if to_length else triton.next_power_of_2(max_rows)
     _gdn_recurrent_kernel[(batch, value_heads, triton.cdiv(value_dim, block_v))](
         q, k, v, g, beta, initial_state,
         dummy if state_index is None else state_index.to(torch.int64).contiguous(),
@@ -357,5 +387,6 @@ def gated_delta_rule_verify_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b
         RATIO=value_heads // key_heads, DK=key_dim, DV=value_dim, DK_PAD=triton.next_power_of_2(key_dim),
         BLOCK_V=block_v, USE_STATE_INDEX=state_index is not None, STORE_INPUTS=verify_rows is not None,
         STORE_FINAL=final is not None, STORE_IN_POOL=final_state_index is not None,
-        UNROLL=UNROLL_MIN_ROWS <= loop_rows <= EXACT_ROWS, ROWS_PAD=triton.next_power_of_2(loop_rows), num_warps=NUM_WARPS)
+        UNROLL=UNROLL_MIN_ROWS <= loop_rows <= EXACT_ROWS, ROWS_PAD=triton.next_power_of_2(loop_rows),
+        TO_LENGTH=to_length, num_warps=NUM_WARPS)
     return o, final
