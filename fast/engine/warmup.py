@@ -4,7 +4,9 @@ On CUDA the first use of a shape compiles its Triton kernels (about a second eac
 whose Triton cache is cold) and captures its CUDA graph (two eager runs and a capture per batch
 bucket). A server that listens cold makes its first clients pay for all of it: with a single 1-token
 warm-up request the first wave of a load run waited ten times longer for its first token than the
-waves after it (measured: bench/results/2026-12-01-h200-serve/).
+waves after it (measured: bench/results/2026-12-01-h200-serve/). One more request then fills a prefill
+chunk alone (a long prompt's chunk takes other kernels than many short prompts'), and, with a prefix
+cache, each wave's request takes a second turn through a cache hit.
 
 ``warm_up`` runs two waves of ``max_running_req`` requests before the server listens, greedy and
 then sampled the way most clients sample (temperature and top-p, top-k off), so the filter's and
@@ -61,14 +63,24 @@ def warm_up(engine: Engine) -> dict:
             if out.error is not None:
                 raise RuntimeError(f"warm-up request failed: {out.error}")
         requests += n
+    greedy_pair = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    # one prompt filling a chunk alone: a sequence of that many rows takes other kernels than the waves' short ones
+    # (the GDN layers' chunked form past delta_rule.SHORT_PREFILL_ROWS rows, autotuned on first use)
+    long_len = min(cfg.max_num_batched_tokens, engine.max_model_len - 3)
+    if long_len > prompt_len:
+        for out in engine.generate([[(11 * j + 5) % vocab for j in range(long_len)]], [greedy_pair]):
+            if out.error is not None:
+                raise RuntimeError(f"warm-up request failed: {out.error}")
+        requests += 1
     if engine.prefix_cache is not None and engine.max_model_len > prompt_len + longest_output + 2:
         # a prefix-cache hit (a second turn after each finish): the restore's copies and ring rebuild compile now
         turns = [p + o.token_ids + [1] for p, o in zip(prompts, outs)]
         turns = [t for t in turns if len(t) + 2 <= engine.max_model_len]
-        for out in engine.generate(turns, [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)] * len(turns)):
+        for out in engine.generate(turns, [greedy_pair] * len(turns)):
             if out.error is not None:
                 raise RuntimeError(f"warm-up request failed: {out.error}")
         requests += len(turns)
+    if engine.prefix_cache is not None:
         engine.clear_prefix_cache()  # serving starts from an empty cache and counts only its own lookups
         engine.prefix_cache.stats = PrefixStats()
     if policy is not None:  # keep the step costs measured, not the warm-up prompts' acceptance
