@@ -13,7 +13,9 @@
 #               their first compiles take over a minute
 #   gdn_prefill 33: bench_gdn_verify.py --prefill-rows: a GDN prefill chunk by fla against the recurrence in place, eager
 #               (host work included) and graphed, at 1 and 8 sequences (where SHORT_PREFILL_ROWS should sit)
-#   quant_tests 35: the GGUF dequantize and fused dequant-matmul kernels' conformance on CUDA
+#   quant_tests 35: the GGUF fused dequant-matmul kernel's conformance on CUDA (session 10: about 20 of its 47 tests
+#               passed in 240 s, so 420 s)
+#   dequant_tests 35: the GGUF dequantize kernels' conformance on CUDA (all 35 passed in session 10)
 #   bench_moe   34: bench_moe.py --prefill: the grouped GEMM at prefill chunk sizes beside its floor
 #   bench_quant 35: bench_quant_linear.py at the 27B and 35B-A3B shapes: the fused kernel at 1, 8, 16, 64 rows beside
 #               the quantized bytes' floor, with its config sweep (set default_config from it)
@@ -70,8 +72,8 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
       conformance/ops/test_gdn_prologue.py conformance/ops/test_moe_router.py conformance/ops/test_gdn_recurrent.py ;;
     gdn_prefill) step "$stage" 150 python3 bench/kernels/bench_gdn_verify.py --prefill-rows 16,64,129,256,512,1024 \
       --out "$O/gdn_prefill.json" ;;
-    quant_tests) step "$stage" 240 python3 -m pytest -q -p no:cacheprovider conformance/ops/test_quant_dequant.py \
-      conformance/ops/test_quant_linear.py ;;
+    quant_tests) step "$stage" 420 python3 -m pytest -q -p no:cacheprovider conformance/ops/test_quant_linear.py ;;
+    dequant_tests) step "$stage" 240 python3 -m pytest -q -p no:cacheprovider conformance/ops/test_quant_dequant.py ;;
     bench_moe) step "$stage" 80 python3 bench/kernels/bench_moe.py --prefill 256,512,2048,4096 --out "$O/bench_moe.json" ;;
     bench_quant) for shape in 27b 35b; do step "$stage-$shape" 280 python3 bench/kernels/bench_quant_linear.py \
       --out "$O/bench_quant-$shape.json" --only $shape --rows 1,8,16,64 --sweep --no-baselines; done ;;
