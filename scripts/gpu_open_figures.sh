@@ -35,6 +35,8 @@
 #   prefill35   33, 34: scripts/diag/prefill_trace.py on the 35B-A3B shape with DFlash k=7: a cold 4,096-token prefill's
 #               kernels, and a chat turn resumed from the prefix cache (restore and prefill forward, 1 and 8 at once)
 #   hostp35     33: the same chat turn (one conversation) under cProfile: the host's share of a cached turn's prefill
+#   firstuse35  33, 34: prefill35 after ft serve's own warm-up: a first timed run far slower than the next is a kernel
+#               the warm-up left to compile on first use (session 10 saw 1.7 s on a first cached turn)
 #   moe_cross   33, 34: bench_moe.py --prefill at 16-256 rows: the per-pair kernels against the grouped GEMM (where
 #               MAX_TRITON_PAIRS should sit)
 #   router_cross 34: bench_moe_router.py at 16-2048 rows: kernel 1 against the fp32 GEMM (where GEMM_ROWS should sit)
@@ -96,6 +98,9 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
     prefill35) step "$stage" 240 python3 scripts/diag/prefill_trace.py --model bench/shapes/qwen3.5-35b-a3b \
       --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 4096 --turn-requests 1,8 \
       --out "$O/prefill35.json" ;;
+    firstuse35) step "$stage" 300 python3 scripts/diag/prefill_trace.py --model bench/shapes/qwen3.5-35b-a3b \
+      --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 4096 --turn-requests 1,8 \
+      --server-warm-up --top 10 --out "$O/firstuse35.json" ;;
     hostp35) step "$stage" 200 python3 scripts/diag/prefill_trace.py --model bench/shapes/qwen3.5-35b-a3b \
       --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 0 --turn-requests 1 --host-profile \
       --top 10 --out "$O/hostp35.json" ;;

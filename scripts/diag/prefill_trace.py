@@ -16,7 +16,9 @@ Builds the engine as ``ft serve`` would (dummy weights, the prefix cache on, a f
   (``runner.prefill``), each timed between device synchronisations; then one more round of turn 2
   under the profiler (issue 33: where a cached turn's time to first token goes). ``--host-profile``
   adds a cProfile of one more turn 2 of the first count: the host's calls by own time and by
-  cumulative time (a call that waits on the device, e.g. ``tolist``, holds the wait).
+  cumulative time (a call that waits on the device, e.g. ``tolist``, holds the wait). ``--server-warm-up``
+  warms up as ``ft serve`` does instead of with one short request, so each part's first timed run shows
+  whether a kernel still compiles on first use after it (a first run far slower than the next).
 
 Every figure is a wall time on the device that ran it; nothing is compared across runs.
 """
@@ -138,6 +140,9 @@ def main() -> int:
     p.add_argument("--reply", type=int, default=128)
     p.add_argument("--top", type=int, default=25, help="kernels to list")
     p.add_argument("--host-profile", action="store_true", help="also cProfile a turn 2 (the host's calls)")
+    p.add_argument("--server-warm-up", action="store_true",
+                   help="warm up as ft serve does (fast/engine/warmup.py) instead of with one short request: the "
+                        "first timed run of each part then shows what the server's warm-up leaves to compile")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     algorithm, k = SETTINGS[args.setting]
@@ -156,7 +161,13 @@ def main() -> int:
     watch = Stopwatch()
     watch.wrap(engine, "_restore", "restore")
     watch.wrap(engine.runner, "prefill", "prefill forward")
-    llm.generate([tokens(600)], greedy(16))  # warm-up: graphs, kernels' first compiles
+    if args.server_warm_up:
+        from dflash2.fast.engine.warmup import warm_up
+
+        print(f"server warm-up: {warm_up(engine)}")
+    else:
+        llm.generate([tokens(600)], greedy(16))  # warm-up: graphs, kernels' first compiles
+    watch.take()  # the warm-up's own restores and prefills are not the cold prompt's
     results: dict = {"model": args.model, "setting": args.setting, "device": torch.cuda.get_device_name()
                      if torch.cuda.is_available() else "cpu"}
     if args.cold:
