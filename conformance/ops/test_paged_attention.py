@@ -226,6 +226,8 @@ def test_prefill_plan_takes_64_key_tiles_where_the_device_has_an_h100s_shared_me
     monkeypatch.setattr(kernel_module, "_prefill_smem", lambda device: 227 * 1024 - kernel_module.SMEM_MARGIN)
     plan = prefill_plan(1, heads, kv_heads, 256, 2048, 2, torch.device("cpu"))
     assert (plan.block_m, plan.block_n, plan.num_stages, plan.num_warps) == (128, 64, 2, 8)
+    # fp32 (the conformance lane) keeps the 160 KB budget the sweep did not widen: 64 x 16 as before
+    assert prefill_plan(1, heads, kv_heads, 256, 2048, 4, torch.device("cpu")).block_n == 16
     monkeypatch.setattr(kernel_module, "_prefill_smem", lambda device: kernel_module.PREFILL_SMEM)
     assert prefill_plan(1, heads, kv_heads, 256, 2048, 2, torch.device("cpu")).block_n == 32
 

@@ -390,9 +390,9 @@ def prefill_plan(num_seqs: int, heads: int, kv_heads: int, dim: int, max_query_l
     ``block_m`` 128 rows, or 64 where 128-row tiles would leave SMs idle (fewer programs than SMs: a 512-row
     chunk of 16 heads makes 64) or a 128-row Q tile would take over 64 KB (fp32 at D = 256); ``block_n`` the
     largest power of two in 16 .. 64 whose ``num_stages`` K and V tiles fit beside Q in the device's shared memory
-    less ``SMEM_MARGIN`` (``PREFILL_SMEM`` off CUDA; counted as Q's tile and ``num_stages`` K and V tiles: 192 KB at
-    128 x 64 keys, D = 256, bf16, two stages); ``heads_per_program`` the largest power of two dividing G (module
-    docstring).
+    less ``SMEM_MARGIN`` (``PREFILL_SMEM`` off CUDA and for fp32; counted as Q's tile and ``num_stages`` K and V
+    tiles: 192 KB at 128 x 64 keys, D = 256, bf16, two stages); ``heads_per_program`` the largest power of two
+    dividing G (module docstring).
     """
     d_pad = max(16, _pow2(dim))
     group = heads // kv_heads
@@ -401,7 +401,9 @@ def prefill_plan(num_seqs: int, heads: int, kv_heads: int, dim: int, max_query_l
         wide = num_seqs * max_query_len * heads >= 128 * _sm_count(device)
         block_m = 128 if wide and 128 * d_pad * itemsize <= 64 * 1024 else 64
     if block_n is None:
-        room = (_prefill_smem(device) - block_m * d_pad * itemsize) // (2 * max(num_stages, 1) * d_pad * itemsize)
+        # the device's budget was swept at 16-bit inputs only; fp32 tiles (the conformance lane) keep PREFILL_SMEM
+        budget = _prefill_smem(device) if itemsize <= 2 else min(PREFILL_SMEM, _prefill_smem(device))
+        room = (budget - block_m * d_pad * itemsize) // (2 * max(num_stages, 1) * d_pad * itemsize)
         block_n = min(64, max(16, 1 << max(room, 1).bit_length() - 1))
     if heads_per_program is None:
         heads_per_program = min(group & -group, block_m)
