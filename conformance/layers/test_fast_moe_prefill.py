@@ -2,7 +2,8 @@
 and the routed experts' grouped GEMM (fast/kernels/moe/moe_grouped.py), the shared expert beside them. Under
 forced_gpu on the CPU (Triton's interpreter), with the op's pair bound lowered so that a chunk small enough for
 the interpreter passes it; against the sublayer's torch form and the reference's ``SparseMoE`` in fp32 (NUMERIC),
-for a shared expert stored as expert E and for one of another width."""
+for a shared expert stored as expert E (then inside the grouped GEMM, as pair k+1) and for one of another width
+(beside it)."""
 
 from __future__ import annotations
 
@@ -46,9 +47,29 @@ def test_prefill_chunk_goes_through_the_grouped_gemm(monkeypatch, shared_width):
                         lambda *a, **k: seen.append(a[1].shape) or grouped(*a, **k))
     with forced_gpu():
         got = layer.forward(x)
-    assert seen == [(ROWS, cfg.num_experts_per_tok)], "the routed experts did not go through the grouped GEMM"
+    # a shared expert stored as expert E rides in the grouped GEMM as pair k+1; one of another width runs beside it
+    pairs_per_row = cfg.num_experts_per_tok + int(layer.shared_as_expert)
+    assert layer.shared_as_expert == (shared_width == spec.moe_intermediate_size)
+    assert seen == [(ROWS, pairs_per_row)], "the experts did not go through the grouped GEMM as expected"
     assert got.dtype == x.dtype and got.shape == x.shape
     torch_form = layer.forward(x)  # CPU tensors, nothing forced: every op's torch form
     for what, other in (("the torch form", torch_form), ("the reference", SparseMoE(cfg, weights, PREFIX).forward(x))):
         rel = rms_rel(got, other)
         assert rel <= 1e-5, f"grouped prefill vs {what}: rms-relative error {rel:.2e} > 1e-5 (NUMERIC, fp32)"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels at the real pair bound need CUDA")
+@pytest.mark.parametrize("shared_width", [20, 28], ids=["shared_as_expert", "shared_of_another_width"])
+def test_prefill_chunk_past_the_pair_bound_on_cuda(shared_width):
+    """The same chunk on CUDA at the real ``MAX_TRITON_PAIRS`` (a few rows past it: the compiled grouped GEMM, with
+    the shared expert as pair k+1 where it is stored as expert E), fp32, against the reference (NUMERIC)."""
+    spec = TinyTargetSpec(kind="moe", num_layers=2, full_attention_interval=2, num_experts=9, num_experts_per_tok=3,
+                          moe_intermediate_size=20, shared_expert_intermediate_size=shared_width, seed=5)
+    cfg = tiny_target_config(spec)
+    weights = tiny_target_weights(cfg, seed=5)
+    layer = FastMoE(cfg, Params(cfg, weights, torch.float32, "cuda"), PREFIX)
+    rows = moe.MAX_TRITON_PAIRS // cfg.num_experts_per_tok + 5
+    x = torch.randn(rows, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    got = layer.forward(x.cuda()).cpu()
+    rel = rms_rel(got, SparseMoE(cfg, weights, PREFIX).forward(x))
+    assert rel <= 1e-5, f"grouped prefill on CUDA vs the reference: rms-relative error {rel:.2e} > 1e-5 (NUMERIC, fp32)"

@@ -9,7 +9,9 @@ the kernels are sync-free and capturable). On CUDA both run their kernels at eve
 routed experts (more than ``MAX_TRITON_PAIRS`` pairs) the grouped GEMM of ``moe_grouped.py``, the shared
 expert beside them by cuBLAS. A GGUF target's experts, kept as their blocks, run ``moe_quantized.py``'s forms
 instead (no shared-as-expert layout). Where the shared expert has the routed experts' width, a decode
-or verify step on CUDA runs the whole sublayer as four kernels (:data:`moe_sublayer`, :class:`FastMoE`).
+or verify step on CUDA runs the whole sublayer as four kernels, and a prefill chunk past ``MAX_TRITON_PAIRS``
+routed pairs runs the shared expert inside the grouped GEMM as pair k+1 (:data:`moe_sublayer`,
+:class:`FastMoE`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from dflash2.reference.formats.config import TargetConfig
 from ..kernels.common.dispatch import GpuForm, KernelOp
 from ..kernels.dense.skinny_linear import skinny_linear
 from ..kernels.dense.swiglu import swiglu_act
+from ..kernels.moe import moe as moe_kernels
+from ..kernels.moe import moe_grouped
 from ..kernels.moe.moe import moe_experts, moe_experts_triton
 from ..kernels.moe.moe_router import route, route_triton
 from .linear import linear, swiglu_linear
@@ -56,9 +60,10 @@ class FastMoE:
     or verify step on CUDA then runs the whole sublayer as four kernels: the router appends the
     shared expert to each row's choices with weight sigmoid(w_sg . x), and the routed-expert kernels
     run it as a (k+1)-th pair, summing in fp32 and rounding once to the model dtype. That is for
-    at most ``SHARED_PAIR_ROWS`` rows (decode and verify steps of a few requests); everything else
-    (more rows, the CPU, prefills) runs the module docstring's form
-    on views of the first E experts, bit for bit as before.
+    at most ``SHARED_PAIR_ROWS`` rows (decode and verify steps of a few requests). A prefill chunk whose
+    routed pairs take the grouped GEMM (past ``MAX_TRITON_PAIRS``) runs the shared expert in it the same way
+    (:meth:`forward_grouped_with_shared`). Everything else (the rows between, the CPU) runs the module
+    docstring's form on views of the first E experts.
     """
 
     ops = (route, moe_experts, skinny_linear, swiglu_act)  # the kernel ops it runs (FastTarget.capturable)
@@ -131,6 +136,18 @@ class FastMoE:
         shared = torch.sigmoid(x @ self.shared_expert_gate.T) * mlp
         return (routed + shared.float()).to(x.dtype)
 
+    def forward_grouped_with_shared(self, x: Tensor) -> Tensor:
+        """:meth:`forward` of a prefill chunk whose routed pairs take the grouped GEMM anyway (more than
+        ``MAX_TRITON_PAIRS``): the shared expert rides in it as pair k+1 (expert E, weight sigmoid(w_sg . x), the
+        router's GEMM form past ``GEMM_ROWS`` rows), so the sublayer is the router's launches and the grouped GEMM's,
+        not those plus about nine for the shared expert beside them (two GEMMs, the activation, the gate's GEMM
+        and sigmoid, the gating product, two casts, the sum): a prefill step is bound by its host's launches
+        (bench/results/2026-12-07e-h100-serve-prefill/). Needs
+        ``shared_as_expert``; the fp32 sum of the k+1 pairs is rounded once to x's dtype."""
+        expert_ids, weights = route(x, self.router_with_shared, self.top_k, shared_gate=True)  # [N, k+1]
+        return moe_grouped.moe_experts_grouped(x, expert_ids, weights, self.gate_up_with_shared, self.down_with_shared,
+                                               out_dtype=x.dtype)
+
     def forward_four_kernels(self, x: Tensor) -> Tensor:
         """:meth:`forward` by the router and routed-expert kernels, the shared expert as pair k+1
         (needs ``shared_as_expert``; the tests call it on the CPU under Triton's interpreter)."""
@@ -139,7 +156,16 @@ class FastMoE:
                                   ready=self.ready, out_dtype=x.dtype)
 
 
-# the whole sublayer: the four-kernel form (class docstring) for up to SHARED_PAIR_ROWS rows where the shared
-# expert is stored as expert E; its twin is the unfused composition, whose ops dispatch on their own
-moe_sublayer = KernelOp("moe_sublayer", FastMoE.forward_unfused, GpuForm(
-    FastMoE.forward_four_kernels, fits=lambda layer, x: layer.shared_as_expert and x.shape[0] <= SHARED_PAIR_ROWS))
+def _grouped_chunk(layer: FastMoE, x: Tensor) -> bool:
+    """A prefill chunk whose routed pairs alone pass ``MAX_TRITON_PAIRS`` (so no decode or verify step: those
+    keep their kernels and captures), with the shared expert storable as expert E."""
+    return layer.shared_as_expert and x.shape[0] * layer.top_k > moe_kernels.MAX_TRITON_PAIRS
+
+
+# the whole sublayer where the shared expert is stored as expert E: the four-kernel form (class docstring) for up
+# to SHARED_PAIR_ROWS rows, the grouped GEMM with the shared expert as pair k+1 for a prefill chunk past
+# MAX_TRITON_PAIRS routed pairs; its twin is the unfused composition, whose ops dispatch on their own
+moe_sublayer = KernelOp("moe_sublayer", FastMoE.forward_unfused,
+                        GpuForm(FastMoE.forward_four_kernels,
+                                fits=lambda layer, x: layer.shared_as_expert and x.shape[0] <= SHARED_PAIR_ROWS),
+                        GpuForm(FastMoE.forward_grouped_with_shared, fits=_grouped_chunk))
