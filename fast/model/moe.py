@@ -157,8 +157,9 @@ class FastMoE:
 
 
 def _grouped_chunk(layer: FastMoE, x: Tensor) -> bool:
-    """A prefill chunk whose routed pairs alone pass ``MAX_TRITON_PAIRS`` (so no decode or verify step: those
-    keep their kernels and captures), with the shared expert storable as expert E."""
+    """Rows whose routed pairs alone pass ``MAX_TRITON_PAIRS`` (a prefill chunk; a decode or verify step only past
+    1,024 pairs: 16 requests x 8 verify rows x 8 experts keep their kernels), with the shared expert stored as
+    expert E. The same rule eager and captured: the sublayer's forms honour ``fits`` inside a capture."""
     return layer.shared_as_expert and x.shape[0] * layer.top_k > moe_kernels.MAX_TRITON_PAIRS
 
 
