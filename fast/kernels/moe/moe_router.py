@@ -32,8 +32,9 @@ bench/kernels/bench_moe_router.py measures it against the floor (E C x 4 bytes o
 bandwidth) and against the torch sequence it replaced, which it beats about three times over at one row
 (measured: bench/results/2026-12-01-h200/kernels/router.log).
 
-Past :data:`GEMM_ROWS` rows (prefill chunks) kernel 1 gives way to one cuBLAS GEMM of the same fp32 products
-(``x.float() @ W_router^T``, TF32 off; the logits written as the single partial, S = 1) and kernel 2 selects
+Past :data:`GEMM_ROWS` rows (prefill chunks, and verify steps of more than 96 rows) kernel 1 gives way to one
+cuBLAS GEMM of the same fp32 products (``x.float() @ W_router^T``, TF32 off; the logits written as the single
+partial, S = 1) and kernel 2 selects
 from it as above. Why: at a prefill chunk's thousands of rows kernel 1's CUDA-core products are slow (0.29 ms a
 layer at 2,048 rows: 23 ms of the 35B-A3B's 4,096-token prefill, whose kernels took 239 ms; measured:
 bench/results/2026-12-07d-h100-prefill-host/prefill35.log); the GEMM takes 76 us there. Measured on an H100 per
@@ -292,6 +293,6 @@ def route_triton(x: Tensor, w_router: Tensor, top_k: int, *, shared_gate: bool =
 
 
 # ``(expert_ids [N, k] int64, weights [N, k] fp32)``; the kernels (no host sync) for CUDA tensors of every row
-# count: a prefill chunk routes by the same tie rule as the decode and verify steps (its logits by an fp32 GEMM past
-# GEMM_ROWS rows: the same products, summed in another order), eager or captured
+# count: a prefill chunk routes by the same tie rule as the decode and verify steps (its logits, as a wide verify
+# step's, by an fp32 GEMM past GEMM_ROWS rows: the same products, summed in another order), eager or captured
 route = KernelOp("route", route_torch, GpuForm(route_triton))
