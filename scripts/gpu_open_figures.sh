@@ -10,7 +10,7 @@
 #   moe_tests   34: the grouped MoE GEMM, router and MoE prefill layer conformance on CUDA, the memory plan
 #   ops_tests   33, 34: the prefill kernels of session 9 on CUDA (paged attention's prefill kernel, the GDN prologue
 #               for prefill chunks, the router's GEMM form, the GDN recurrence looping to each sequence's length, the
-#               MoE prefill chunk with the shared expert inside the grouped GEMM):
+#               MoE prefill chunk with the shared expert inside the grouped GEMM) and the captured prefill steps:
 #               their first compiles take over a minute
 #   gdn_prefill 33: bench_gdn_verify.py --prefill-rows: a GDN prefill chunk by fla against the recurrence in place, eager
 #               (host work included) and graphed, at 1 and 8 sequences (where SHORT_PREFILL_ROWS should sit)
@@ -36,6 +36,8 @@
 #   prefill35   33, 34: scripts/diag/prefill_trace.py on the 35B-A3B shape with DFlash k=7: a cold 4,096-token prefill's
 #               kernels, and a chat turn resumed from the prefix cache (restore and prefill forward, 1 and 8 at once)
 #   hostp35     33: the same chat turn (one conversation) under cProfile: the host's share of a cached turn's prefill
+#   prefill35eager 33: prefill35's chat turns with every prefill step eager (--prefill-graph-rows 0): the A/B of the
+#               captured prefill steps (engine/prefill_graphs.py) against firstuse35's or prefill35's turns
 #   firstuse35  33, 34: prefill35 after ft serve's own warm-up: a first timed run far slower than the next is a kernel
 #               the warm-up left to compile on first use (session 10 saw 1.7 s on a first cached turn)
 #   moe_cross   33, 34: bench_moe.py --prefill at 16-256 rows: the per-pair kernels against the grouped GEMM (where
@@ -73,7 +75,7 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
       conformance/ops/test_moe_router.py conformance/layers/test_fast_moe_prefill.py conformance/gpu/test_memory_plan.py ;;
     ops_tests) step "$stage" 240 python3 -m pytest -q -p no:cacheprovider conformance/ops/test_paged_attention.py \
       conformance/ops/test_gdn_prologue.py conformance/ops/test_moe_router.py conformance/ops/test_gdn_recurrent.py \
-      conformance/layers/test_fast_moe_prefill.py ;;
+      conformance/layers/test_fast_moe_prefill.py conformance/gpu/test_prefill_graphs.py ;;
     gdn_prefill) step "$stage" 150 python3 bench/kernels/bench_gdn_verify.py --prefill-rows 16,64,129,256,512,1024 \
       --out "$O/gdn_prefill.json" ;;
     quant_tests) step "$stage" 420 python3 -m pytest -q -p no:cacheprovider conformance/ops/test_quant_linear.py ;;
@@ -100,6 +102,9 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
     prefill35) step "$stage" 240 python3 scripts/diag/prefill_trace.py --model bench/shapes/qwen3.5-35b-a3b \
       --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 4096 --turn-requests 1,8 \
       --out "$O/prefill35.json" ;;
+    prefill35eager) step "$stage" 240 python3 scripts/diag/prefill_trace.py --model bench/shapes/qwen3.5-35b-a3b \
+      --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 0 --turn-requests 1,8 \
+      --prefill-graph-rows 0 --out "$O/prefill35eager.json" ;;
     firstuse35) step "$stage" 300 python3 scripts/diag/prefill_trace.py --model bench/shapes/qwen3.5-35b-a3b \
       --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 4096 --turn-requests 1,8 \
       --server-warm-up --top 10 --out "$O/firstuse35.json" ;;

@@ -57,6 +57,10 @@ class EngineConfig:
     # IQ3_XXS), kept quantized as a GGUF file's are (fast/weights/dummy_quantized.py); None: dense in the model dtype
     dummy_weight_type: str | None = None
     enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying captured CUDA graphs
+    # CUDA: prefill steps of at most this many rows (capped at max_num_batched_tokens), each chunk at most
+    # delta_rule.SHORT_PREFILL_ROWS, replay captured graphs (engine/prefill_graphs.py: a short chunk is bound by the
+    # host's launches); 0: every prefill step eager
+    prefill_graph_rows: int = 2048
     # the speed switches below are all on by default; each off gives the same tokens (A/B timing, debugging)
     side_stream: bool = True  # CUDA: a verify step's DFlash observe on a second stream beside the step
     propose_ahead: bool = True  # CUDA: a steady DFlash step launches the next step's proposal before it returns
@@ -99,6 +103,8 @@ class EngineConfig:
         expect(isinstance(self.device, str) and (self.device in (AUTO, "cpu", "cuda") or (
             self.device.split(":")[0] == "cuda" and self.device.split(":")[-1].isdigit())),
                ConfigError, "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        expect(is_int(self.prefill_graph_rows) and self.prefill_graph_rows >= 0, ConfigError, "prefill_graph_rows",
+               self.prefill_graph_rows, "an integer >= 0 (0: no prefill graphs)")
         for name in ("max_running_req", "max_num_batched_tokens", "page_size", "cpu_cache_bytes"):
             value = getattr(self, name)
             expect(is_int(value) and value >= 1, ConfigError, name, value, "an integer >= 1")
@@ -185,8 +191,8 @@ def _field(name: str):
 
 # flags of ``ft generate`` that fill EngineConfig fields (model_path is --model, the spec flags are shared)
 ENGINE_FLAGS = ("dtype", "device", "max_running_req", "max_num_batched_tokens", "page_size", "memory_ratio",
-                "cpu_cache_bytes", "max_model_len", "load_format", "dummy_weight_type", "speculative_depth", "enforce_eager", *SPEED_SWITCHES,
-                "prefix_caching", "snapshot_interval", "prefix_snapshots", "tensor_parallel_size")
+                "cpu_cache_bytes", "max_model_len", "load_format", "dummy_weight_type", "speculative_depth", "enforce_eager",
+                "prefill_graph_rows", *SPEED_SWITCHES, "prefix_caching", "snapshot_interval", "prefix_snapshots", "tensor_parallel_size")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -60,6 +60,7 @@ from ..speculative.depth import depth_policy
 from ..speculative.step import SpeculativeStep
 from .checkpoints import Checkpoints
 from .graph_step import TargetGraphs
+from .prefill_graphs import PrefillGraphs
 from .logprobs import TokenLogprob
 from .prefix_cache import PrefixCache
 from .runner import ModelRunner
@@ -178,6 +179,11 @@ class Engine:
                                   device=self.model.pools.device, trace=trace, graphs=graphs,
                                   propose_ahead=cfg.propose_ahead, overlap=cfg.overlap_schedule,
                                   whole_step_graphs=self.workers is None)
+        prefill_rows = min(cfg.prefill_graph_rows, cfg.max_num_batched_tokens)
+        if graphs is not None and self.workers is None and prefill_rows:  # short prefill chunks replay too
+            self.runner.prefill_graphs = PrefillGraphs(self.model.target, self.model.pools, self.model.proposer,
+                                                       max_seqs=cfg.max_running_req, max_pages=graphs.max_pages,
+                                                       max_rows=prefill_rows)
         if self.workers is not None:  # the workers mirror rank 0's forwards, commits and snapshot copies
             self.runner.eager.before_forward = self.workers.forward
             if graphs is not None:

@@ -221,8 +221,11 @@ def forward_peak_bytes(target: FastTarget, rows: int, *, page_size: int, max_ver
 
 
 def activation_bytes(target: FastTarget, *, max_num_batched_tokens: int, max_step_rows: int, graph_pools: int,
-                     page_size: int, max_verify_rows: int, mtp: bool = False) -> tuple[int, int]:
-    """(the largest prefill chunk's activation peak, the CUDA graphs' allowance) in bytes (module docstring)."""
+                     page_size: int, max_verify_rows: int, mtp: bool = False,
+                     prefill_graph_rows: int = 0) -> tuple[int, int]:
+    """(the largest prefill chunk's activation peak, the CUDA graphs' allowance) in bytes (module docstring).
+    ``prefill_graph_rows``: the rows of the largest captured prefill step (``prefill_graphs.py``, its own pool),
+    0 for none."""
     prefill = forward_peak_bytes(target, max_num_batched_tokens, page_size=page_size,
                                  max_verify_rows=max_verify_rows, mtp=mtp)
     graphs = 0
@@ -233,6 +236,14 @@ def activation_bytes(target: FastTarget, *, max_num_batched_tokens: int, max_ste
     logger.info("activations: %.1f MiB at a %d-row prefill chunk; CUDA graph pools allowed %.1f MiB (%d x a "
                 "%d-row step's %.1f MiB)", prefill / MiB, max_num_batched_tokens, graphs / MiB, graph_pools,
                 max_step_rows, graphs / max(1, graph_pools) / MiB)
+    if prefill_graph_rows:
+        # the same forward as the chunk's above at the graph's rows (one sequence, where the graph's are many short
+        # ones: the chunked GDN form's temporaries stand in for the recurrence's, an over-estimate)
+        captured = forward_peak_bytes(target, prefill_graph_rows, page_size=page_size,
+                                      max_verify_rows=max_verify_rows, mtp=mtp)
+        logger.info("CUDA graph pool of the prefill steps allowed %.1f MiB (a %d-row prefill's activations)",
+                    captured / MiB, prefill_graph_rows)
+        graphs += captured
     return prefill, graphs
 
 

@@ -3,7 +3,8 @@ eagerly.
 
 Three kinds of step (``Scheduler.schedule``):
 
-- prefill: chunks of prompts, one row per prompt token (always eager, ``eager_step.py``); the proposer sees
+- prefill: chunks of prompts, one row per prompt token (a captured forward where the chunks are short,
+  ``prefill_graphs.PrefillGraphs``, else eagerly, ``eager_step.py``); the proposer sees
   every row (DFlash writes its ring, MTP its pairs); a chunk that completes its prompt samples the first output
   token at position n = len(prompt) with the key (seed, n, SAMPLE, 0);
 - plain decode: one row per request, the anchor at s; the next token is sampled at s + 1 with
@@ -50,6 +51,7 @@ from ..speculative.step import SpeculativeStep
 from .eager_step import EagerStep
 from .graph_step import StepGraphs, TargetGraphs, graph_summary
 from .logprobs import TokenLogprob, select_rows, token_logprobs
+from .prefill_graphs import PrefillGraphs
 from .sampling import sample_next, sampling_tensors
 from .scheduler import DecodePlan, PrefillPlan, Req
 
@@ -88,6 +90,8 @@ class ModelRunner:
         self.page_size, self.device, self.trace = page_size, device, trace
         self.eager = EagerStep(target, pools, page_size=page_size, device=device)
         self.graphs = graphs  # CUDA graphs of the decode and verify forwards (None: every step eager)
+        # CUDA graphs of short prefill chunks (prefill_graphs.py; None: every prefill chunk eager)
+        self.prefill_graphs: PrefillGraphs | None = None
         # whole speculative steps as CUDA graphs (whole_step_graphs False, tensor parallelism: the proposer is rank
         # 0's alone, so a speculative step replays its target forward from ``graphs`` and runs the rest eagerly)
         self.step_graphs = None
@@ -132,13 +136,21 @@ class ModelRunner:
         chunks = plan.chunks
         reqs = [c.req for c in chunks]
         tokens = [t for c in chunks for t in c.req.prompt_ids[c.start:c.start + c.length]]
-        ends = torch.tensor([c.length for c in chunks]).cumsum(0).tolist()
+        starts, lengths = [c.start for c in chunks], [c.length for c in chunks]
+        ends = torch.tensor(lengths).cumsum(0).tolist()
         done = [i for i, c in enumerate(chunks) if c.completes_prompt]
-        batch, out = self.eager.forward(reqs, [c.start for c in chunks], [c.length for c in chunks],
-                                        self.eager.tensor(tokens), is_verify=False,
-                                        logits_rows=[ends[i] - 1 for i in done])
-        if self.spec is not None:
-            self.spec.proposer.observe(batch, out, None)
+        logits_rows = [ends[i] - 1 for i in done]
+        key = None
+        if self.prefill_graphs is not None and top_logprobs is None:
+            key = self.prefill_graphs.key_for(lengths)
+        if key is not None:  # a short chunk: one replay of the forward and the proposer's observe
+            _, out = self.prefill_graphs.run(key, starts=starts, lengths=lengths, slots=[r.slot for r in reqs],
+                                             tables=[r.pages for r in reqs], tokens=tokens, logits_rows=logits_rows)
+        else:
+            batch, out = self.eager.forward(reqs, starts, lengths, self.eager.tensor(tokens), is_verify=False,
+                                            logits_rows=logits_rows)
+            if self.spec is not None:
+                self.spec.proposer.observe(batch, out, None)
         first: list[int | None] = [None] * len(chunks)
         if done:
             st = self.sampling([chunks[i].req.params for i in done])

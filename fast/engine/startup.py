@@ -47,6 +47,7 @@ from ..speculative.mtp import FastMTPProposer
 from .config import EngineConfig
 from .memory import (MemoryPlan, activation_bytes, cache_budget_bytes, dflash_slot_bytes, dflash_workspace_bytes,
                      log_plan, plan_memory, rebuild_group, snapshot_count)
+from .prefill_graphs import graph_rows
 from .snapshots import StateSnapshots
 from ..speculative.proposer import Proposer
 
@@ -146,9 +147,16 @@ def load_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
         # whole speculative steps have a pool of their own, except under tp (they are not captured there)
         whole_steps = cfg.speculative and not tp.parallel
         graph_pools = 0 if cfg.enforce_eager or not target.capturable() else (2 if whole_steps else 1)
+        prefill_rows = 0  # the largest captured prefill step's rows (engine.py makes those graphs)
+        if graph_pools and not tp.parallel:
+            prefill_rows = graph_rows(min(cfg.prefill_graph_rows, cfg.max_num_batched_tokens), num_slots)
         activations, graph_pools_bytes = activation_bytes(
             target, max_num_batched_tokens=cfg.max_num_batched_tokens, max_step_rows=num_slots * (k + 1),
-            graph_pools=graph_pools, page_size=cfg.page_size, max_verify_rows=k + 1, mtp=mtp_kv)
+            graph_pools=graph_pools, page_size=cfg.page_size, max_verify_rows=k + 1, mtp=mtp_kv,
+            prefill_graph_rows=prefill_rows)
+        if prefill_rows and draft is not None:  # the draft's observe of those rows runs in the same pool
+            graph_pools_bytes += dflash_workspace_bytes(draft_cfg, dtype, max_num_batched_tokens=prefill_rows,
+                                                        num_slots=1)
     budget = cache_budget_bytes(cfg, device) - activations - graph_pools_bytes
     state_bytes = gdn_bytes_per_slot(local_cfg, dtype) + verify_bytes_per_seq(local_cfg, dtype, k + 1)
     # on CUDA the budget is everything within memory_ratio, so the draft's temporaries come out of it;

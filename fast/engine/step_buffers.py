@@ -150,8 +150,9 @@ class StaticInputs:
             size = n * dtype.itemsize
             views[name] = device_buf[at:at + size].view(dtype)
             host[name] = host_np[at:at + size].view(np.int64 if dtype == torch.long else np.float32)
-        self.device: StepFields[Tensor] = StepFields(**views)
-        self.host: StepFields[np.ndarray] = StepFields(**host)
+        absent = {f.name: None for f in fields(StepFields)}  # a kind of step without a field has it None
+        self.device: StepFields[Tensor] = StepFields(**{**absent, **views})
+        self.host: StepFields[np.ndarray] = StepFields(**{**absent, **host})
         # (device range, host range) per part, sliced once (a slice costs the host microseconds a step)
         self._parts = {part: (device_buf[lo:hi], host_buf[lo:hi])
                        for part, (lo, hi) in {"all": (0, nbytes), "early": (0, early_end),

@@ -8,6 +8,9 @@ waves after it (measured: bench/results/2026-12-01-h200-serve/). One more reques
 chunk alone (a long prompt's chunk takes other kernels than many short prompts'), and, with a prefix
 cache, each wave's request takes a second turn through a cache hit.
 
+The captured prefill steps (``prefill_graphs.py``, one per row bucket) are captured first, all of them, so the
+waves' short chunks replay them and no client's chunk waits for a capture.
+
 ``warm_up`` runs two waves of ``max_running_req`` requests before the server listens, greedy and
 then sampled the way most clients sample (temperature and top-p, top-k off), so the filter's and
 the draws' kernels compile and speculative steps capture the step graphs of both. A speculative
@@ -50,6 +53,8 @@ def warm_up(engine: Engine) -> dict:
               for i, m in enumerate(lengths)])
     started = time.perf_counter()
     requests = 0
+    if engine.runner.prefill_graphs is not None:  # every short prefill step's graph, so the waves replay them
+        engine.runner.prefill_graphs.capture_all()
     policy = engine.depth if engine.depth is not None and engine.depth.adaptive else None
     # an adaptive depth runs each of its depths: both waves at the deepest, a greedy wave at each other one
     plan = [(engine.k if policy else None, wave) for wave in waves]

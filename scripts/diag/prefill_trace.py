@@ -36,6 +36,7 @@ import time
 import torch
 
 from dflash2.bench.run import SETTINGS
+from dflash2.fast.engine.config import EngineConfig
 from dflash2.fast.llm import LLM
 from dflash2.reference.request.sampling_params import SamplingParams
 
@@ -143,6 +144,8 @@ def main() -> int:
     p.add_argument("--server-warm-up", action="store_true",
                    help="warm up as ft serve does (fast/engine/warmup.py) instead of with one short request: the "
                         "first timed run of each part then shows what the server's warm-up leaves to compile")
+    p.add_argument("--prefill-graph-rows", type=int, default=EngineConfig.prefill_graph_rows,
+                   help="the engine's prefill_graph_rows (0: every prefill step eager, for an A/B)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     algorithm, k = SETTINGS[args.setting]
@@ -150,6 +153,7 @@ def main() -> int:
     llm = LLM(args.model, max_running_req=max(turns + [1]), load_format="dummy", seed=0,
               speculative_algorithm=algorithm, speculative_num_steps=k, speculative_depth="fixed",
               speculative_draft_model_path=args.draft if algorithm == "dflash" else None,
+              prefill_graph_rows=args.prefill_graph_rows,
               max_model_len=max(args.cold, args.system + 2 * (args.message + args.reply)) + 64)
     engine = llm.engine
     vocab = engine.model.target_cfg.vocab_size
