@@ -232,7 +232,8 @@ class Engine:
                          page_size=cfg.page_size, num_pages=self.model.memory.num_pages,
                          k=self.model.k, max_model_len=self.model.max_model_len,
                          depth=self.depth.choose if self.depth is not None and self.depth.adaptive else None,
-                         prefix_cache=prefix)
+                         prefix_cache=prefix,
+                         busy_chunk_rows=graphs.max_chunk_rows if (graphs := self.runner.prefill_graphs) else None)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:

@@ -145,6 +145,11 @@ class PrefillGraphs:
         self.mempool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.replays = 0  # steps run through a capture (tests, diagnostics)
 
+    @property
+    def max_chunk_rows(self) -> int:
+        """The longest chunk a capture takes (the largest key's Tq)."""
+        return self.keys[-1].max_query_len
+
     def key_for(self, lengths: Sequence[int]) -> PrefillKey | None:
         """The key chunks of ``lengths`` rows replay, or None when they must run eagerly (module docstring)."""
         n = sum(lengths)

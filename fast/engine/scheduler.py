@@ -20,7 +20,9 @@ A request's life (mini-sglang's, with a prefix cache for hybrid targets: ``prefi
    engine snapshots the request's state.
 4. Decode/verify steps: every request whose prompt is done contributes its anchor (the last
    committed token, not yet through the target) and ``k`` drafts. Prefill steps and decode steps
-   are separate. A decoding request waits for at most one prefill step between two of its tokens:
+   are separate. While requests are decoding, a chunk has at most ``busy_chunk_rows`` rows (the engine's
+   captured prefill steps' bound, so that step is one graph replay). A decoding request waits for at most one
+   prefill step between two of its tokens:
    after a prefill step that stalled requests already decoding, they take a step before the next
    chunk, so a long prompt stalls them for one chunk at a time, never for its whole prefill. A
    prefill step stalls nobody when the only requests decoding are those whose first token it
@@ -196,9 +198,14 @@ class Scheduler:
 
     def __init__(self, *, max_running_req: int, max_num_batched_tokens: int, page_size: int, num_pages: int,
                  k: int = 0, max_model_len: int, depth: Callable[[int], int] | None = None,
-                 prefix_cache: Callable[[PageAllocator], PrefixCache] | None = None):
+                 prefix_cache: Callable[[PageAllocator], PrefixCache] | None = None,
+                 busy_chunk_rows: int | None = None):
         self.max_running_req = max_running_req
         self.max_num_batched_tokens = max_num_batched_tokens
+        # while requests are decoding, a prompt's chunk has at most this many rows (None: no bound but the step's):
+        # the engine's captured prefill steps take chunks that short (prefill_graphs.py), so the step between two
+        # of their tokens is one replay, not a host-bound eager forward
+        self.busy_chunk_rows = busy_chunk_rows
         self.page_size = page_size
         self.k = k  # k of a speculative step (its upper bound with an adaptive depth), 0 for plain decoding
         self.depth = depth  # the number of running requests -> this step's k (fast/speculative/depth.py); None: k
@@ -282,7 +289,7 @@ class Scheduler:
         stalled requests already decoding: their turn), else one decode/verify step for all that are decoding."""
         decoding = [r for r in self.running if r.prefill_done]
         if not (decoding and self._stalled_decodes):
-            plan = self._schedule_prefill()
+            plan = self._schedule_prefill(self.busy_chunk_rows if decoding else None)
             if plan is not None:
                 self._stalled_decodes = bool(decoding)
                 return plan
@@ -324,19 +331,20 @@ class Scheduler:
         and the step emits the target's own (bonus) token."""
         return min(self.k if k is None else k, req.max_new_tokens - len(req.output_ids) - 1)
 
-    def _schedule_prefill(self) -> PrefillPlan | None:
+    def _schedule_prefill(self, chunk_rows: int | None = None) -> PrefillPlan | None:
+        """Chunks up to the step's budget, each at most ``chunk_rows`` rows (None: no bound of its own)."""
         budget = self.max_num_batched_tokens
         chunks = []
         for req in self.running:
             if budget == 0:
                 break
             if not req.prefill_done:
-                chunks.append(self._chunk(req, budget))
+                chunks.append(self._chunk(req, min(budget, chunk_rows or budget)))
                 budget -= chunks[-1].length
         while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
             req = self.waiting.popleft()
             self._admit(req)
-            chunks.append(self._chunk(req, budget))
+            chunks.append(self._chunk(req, min(budget, chunk_rows or budget)))
             budget -= chunks[-1].length
         restores, self._restores = self._restores, []
         return PrefillPlan(chunks, restores) if chunks else None

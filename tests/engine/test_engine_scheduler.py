@@ -136,6 +136,28 @@ def test_decode_steps_go_between_the_chunks_of_a_long_prompt():
         run_prefill(s, plan)
 
 
+def test_chunks_are_bounded_by_busy_chunk_rows_only_while_requests_decode():
+    """With requests decoding, each chunk has at most busy_chunk_rows rows (the captured prefill steps' bound), and
+    the step packs several such chunks; with nothing decoding, a chunk fills the budget."""
+    s = scheduler(max_running_req=3, max_num_batched_tokens=12, num_pages=32, busy_chunk_rows=3)
+    a, b, c = req(0, 10, 5), req(1, 7, 5), req(2, 2, 5)
+    s.add(a)
+    plan = s.schedule()
+    assert [ch.length for ch in plan.chunks] == [10]  # nothing decodes: the whole prompt in one chunk
+    run_prefill(s, plan)
+    s.add(b)
+    s.add(c)
+    plan = s.schedule()
+    assert isinstance(plan, PrefillPlan) and [(ch.req, ch.length) for ch in plan.chunks] == [(b, 3), (c, 2)]
+    run_prefill(s, plan)
+    plan = s.schedule()  # a waited one prefill step: its turn
+    assert isinstance(plan, DecodePlan) and plan.reqs == [a, c]
+    for r in plan.reqs:
+        r.output_ids.append(1)
+    plan = s.schedule()
+    assert [(ch.req, ch.start, ch.length) for ch in plan.chunks] == [(b, 3, 3)]
+
+
 def test_prompts_arriving_while_one_prefills_run_back_to_back_with_it():
     """a's prefill step produces its first token and stalls nobody, so b (arrived meanwhile) prefills next; b's
     step stalled a, so a decodes before c's prefill."""
