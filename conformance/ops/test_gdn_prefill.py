@@ -57,7 +57,7 @@ def check_prefill(inputs: dict, expected_o: torch.Tensor, expected_final: torch.
                   report) -> None:
     """Run the wrapper on CUDA with q, k fp32 and v in ``dtype`` (as the GDN layer hands them over) and
     hold its outputs and final states to the reference; the state pool must stay as it was."""
-    args = {name: t.cuda() for name, t in inputs.items()}
+    args = {name: None if t is None else t.cuda() for name, t in inputs.items()}
     args["v"] = args["v"].to(dtype)
     pool_before = args["initial_state"].clone()
     o, final = gated_delta_rule_prefill_fla(**args)
@@ -84,6 +84,16 @@ def test_gdn_prefill_matches_reference(report, shape, dtype):
     inputs, expected_o, expected_final = make_case(lens, key_heads, value_heads, key_dim, value_dim,
                                                    seed=len(lens) * 10 + key_dim)
     check_prefill(inputs, expected_o, expected_final, dtype, report)
+
+
+@needs_fla
+@pytest.mark.parametrize("rows", [130, 2048])
+def test_one_sequence_without_a_sequence_table(report, rows):
+    """One sequence, ``cu_seqlens`` None (what the GDN layer passes for a single-sequence chunk, so fla reads
+    nothing on the host and the step can be captured): NUMERIC against the reference, as with the table."""
+    inputs, expected_o, expected_final = make_case([rows], 2, 4, 128, 128, seed=rows, zero_start=())
+    inputs["cu_seqlens"] = None
+    check_prefill(inputs, expected_o, expected_final, torch.bfloat16, report)
 
 
 @needs_fla

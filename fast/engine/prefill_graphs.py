@@ -29,7 +29,12 @@ chunk's rows (DFlash: the window and ring; MTP: its pairs) is captured with the 
 ``max_seqs`` rows (the chunks that complete a prompt first). The first token is drawn eagerly from those logits
 (``runner.py``).
 
-Not captured (eager, ``eager_step.py``): a chunk longer than Tq rows or past ``max_rows`` rows in all, more than
+One more key takes a single chunk of exactly ``max_rows`` rows (past Tq), unpadded: every chunk but the last of a
+long prompt when ``max_rows`` is the step's budget (``max_num_batched_tokens``, the default). Its GDN layers take
+fla's chunked kernels, which need no host read of a sequence table for one sequence (``delta_rule._prefill_fla``).
+A cold prefill step is host-bound too: a 4,096-token prompt of the 35B-A3B ran 121 ms of kernels in 236-267 ms.
+
+Not captured (eager, ``eager_step.py``): any other chunk longer than Tq rows, past ``max_rows`` rows in all, more than
 ``max_seqs`` chunks, a traced step or one asking for logprobs, tensor parallelism (its workers mirror eager
 forwards only), CPU tensors (on the CPU a "replay" runs the step function on the static fields: the CPU lane tests
 the padding and the fill, not the capture). All keys are captured by the warm-up (:meth:`capture_all`), each in
@@ -86,6 +91,8 @@ def padding_lengths(rows: int, seqs: int, max_query_len: int) -> list[int]:
     """``rows`` padding rows shared by ``seqs`` padding sequences, each 1..max_query_len rows (as even as can be)."""
     if not seqs <= rows <= seqs * max_query_len:
         raise ValueError(f"{rows} padding rows cannot fill {seqs} sequences of 1..{max_query_len} rows")
+    if not seqs:  # a key of one whole chunk: no padding
+        return []
     base, extra = divmod(rows, seqs)
     return [base + 1] * extra + [base] * (seqs - extra)
 
@@ -141,6 +148,12 @@ class PrefillGraphs:
         self.device, self.page_size = pools.device, pools.page_size
         self.max_seqs, self.max_pages, self.max_rows = max_seqs, max_pages, max_rows
         self.keys = [prefill_key(n, max_seqs=max_seqs, pages=max_pages) for n in row_buckets(max_rows)]
+        # one sequence of exactly max_rows rows (every chunk but the last of a long prompt, when max_rows is the
+        # step's budget), unpadded: the GDN layers take fla's chunked kernels, with no sequence table to read on
+        # the host for one sequence (delta_rule._prefill_fla)
+        self.full = None
+        if max_rows > self.keys[-1].max_query_len:
+            self.full = PrefillKey(max_rows, max_rows, 1, max_rows, max_pages, 1)
         self.graphs: dict[PrefillKey, CapturedStep] = {}
         self.mempool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.replays = 0  # steps run through a capture (tests, diagnostics)
@@ -155,12 +168,14 @@ class PrefillGraphs:
         n = sum(lengths)
         if not lengths or len(lengths) > self.max_seqs or n > self.max_rows:
             return None
+        if self.full is not None and len(lengths) == 1 and n == self.full.rows:
+            return self.full
         key = next(k for k in self.keys if k.bucket >= n)
         return key if max(lengths) <= key.max_query_len else None
 
     def capture_all(self) -> int:
         """Capture every key not yet captured (the warm-up); returns how many were."""
-        missing = [key for key in self.keys if key not in self.graphs]
+        missing = [key for key in self.keys + [self.full] if key is not None and key not in self.graphs]
         for key in missing:
             self._capture(key)
         return len(missing)

@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash2.fast.engine.prefill_graphs import (PrefillGraphs, field_sizes, fill_prefill, padding_lengths, prefill_key,
-                                                row_buckets)
+from dflash2.fast.engine.prefill_graphs import (PrefillGraphs, PrefillKey, field_sizes, fill_prefill,
+                                                padding_lengths, prefill_key, row_buckets)
 from dflash2.fast.engine.scheduler import pages_for
 from dflash2.fast.engine.step_buffers import StaticInputs
 from dflash2.fast.kernels.gdn.delta_rule import SHORT_PREFILL_ROWS
@@ -42,10 +42,16 @@ def test_every_fitting_layout_fills_its_key(data):
     graphs = PrefillGraphs.__new__(PrefillGraphs)  # key_for's arithmetic alone
     graphs.max_seqs, graphs.max_rows = max_seqs, max_rows
     graphs.keys = [prefill_key(n, max_seqs=max_seqs, pages=4) for n in row_buckets(max_rows)]
+    graphs.full = PrefillKey(max_rows, max_rows, 1, max_rows, 4, 1) if max_rows > SHORT_PREFILL_ROWS else None
     lengths = data.draw(st.lists(st.integers(1, max_rows), min_size=1, max_size=max_seqs))
+    if data.draw(st.booleans()):
+        lengths = [max_rows]  # one whole chunk
     key = graphs.key_for(lengths)
     if sum(lengths) > max_rows:
         assert key is None
+        return
+    if lengths == [max_rows] and max_rows > SHORT_PREFILL_ROWS:  # the unpadded key of one whole chunk
+        assert key == graphs.full and padding_lengths(0, 0, max_rows) == []
         return
     smallest = next(k for k in graphs.keys if k.bucket >= sum(lengths))
     assert (key is None) == (max(lengths) > smallest.max_query_len)

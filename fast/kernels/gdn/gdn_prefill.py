@@ -65,13 +65,15 @@ def _chunk_gated_delta_rule():
 
 
 def gated_delta_rule_prefill_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
-                                 cu_seqlens: Tensor, *, state_index: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                                 cu_seqlens: Tensor | None, *, state_index: Tensor | None = None
+                                 ) -> tuple[Tensor, Tensor]:
     """q, k [N, Hk, Dk], v [N, Hv, Dv] (bf16 or fp16), g, beta [N, Hv], initial_state fp32 [S, Hv, Dk, Dv],
-    cu_seqlens [B+1] on CUDA. Returns ``(o [N, Hv, Dv] fp32, final states [B, Hv, Dk, Dv] fp32)``."""
+    cu_seqlens [B+1] on CUDA, or None for one sequence of all N rows (fla then reads nothing on the host).
+    Returns ``(o [N, Hv, Dv] fp32, final states [B, Hv, Dk, Dv] fp32)``."""
     check_gdn_inputs(q, k, v, g, beta, initial_state)
     rows, key_heads, key_dim = q.shape
     _, value_heads, value_dim = v.shape
-    batch = cu_seqlens.shape[0] - 1
+    batch = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if v.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"v is {v.dtype}: the fla chunked path is for bf16/fp16 (its tf32 products miss the "
                          f"fp32 bound); use gdn_recurrent for fp32")
@@ -86,5 +88,5 @@ def gated_delta_rule_prefill_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, bet
     o, final = _chunk_gated_delta_rule()(
         q.to(dtype)[None], k.to(dtype)[None], v[None], g.float()[None], beta.to(dtype)[None], scale=1.0,
         initial_state=h0.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=False,
-        cu_seqlens=cu_seqlens.long())
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
     return o[0].float(), final.float()
