@@ -233,7 +233,7 @@ class Engine:
                          k=self.model.k, max_model_len=self.model.max_model_len,
                          depth=self.depth.choose if self.depth is not None and self.depth.adaptive else None,
                          prefix_cache=prefix,
-                         busy_chunk_rows=graphs.max_chunk_rows if (graphs := self.runner.prefill_graphs) else None)
+                         busy_chunk_rows=prefill.max_chunk_rows if (prefill := self.runner.prefill_graphs) else None)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:

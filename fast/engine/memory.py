@@ -237,8 +237,9 @@ def activation_bytes(target: FastTarget, *, max_num_batched_tokens: int, max_ste
                 "%d-row step's %.1f MiB)", prefill / MiB, max_num_batched_tokens, graphs / MiB, graph_pools,
                 max_step_rows, graphs / max(1, graph_pools) / MiB)
     if prefill_graph_rows:
-        # the same forward as the chunk's above at the graph's rows (one sequence, where the graph's are many short
-        # ones: the chunked GDN form's temporaries stand in for the recurrence's, an over-estimate)
+        # the same forward as the chunk's above at the graph's rows: one sequence, as the key of one whole chunk has
+        # (the padded keys' many short sequences take the GDN recurrence in place, with fewer temporaries than the
+        # chunked form's); an estimate, like the decode pools': the warm-up logs what was reached
         captured = forward_peak_bytes(target, prefill_graph_rows, page_size=page_size,
                                       max_verify_rows=max_verify_rows, mtp=mtp)
         logger.info("CUDA graph pool of the prefill steps allowed %.1f MiB (a %d-row prefill's activations)",
