@@ -30,6 +30,8 @@
 #   q35, q27    35: ft bench at Q4_K and IQ3_XXS (--dummy-weight-type), plain and DFlash k=7, beside the floors of
 #               the blocks' bytes
 #   serve35     34: ft serve 35B-A3B, 64 requests of 512 + 64 at 16 in flight: TTFT p50, ITL p99
+#   serve35eager 34: serve35 with every prefill step eager (--prefill-graph-rows 0): the A/B of the captured prefill
+#               steps and the busy chunk bound
 #   multiturn   33: the multi-turn chat with the prefix cache on and off on the 35B-A3B shape (TTFT of later turns;
 #               a fixed depth: the adaptive one's warm-up captures every depth, 215 s on an H100, and dummy
 #               weights accept nothing, so it would decode plainly)
@@ -95,6 +97,10 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
     serve35) step "$stage" 540 python3 bench/load_serve.py --num-requests 64 --concurrency 16 --input-len 512 \
       --output-len 64 --duration-s 120 --timeout-s 120 --out "$O/serve35.json" -- --model bench/shapes/qwen3.5-35b-a3b \
       --load-format dummy --max-running-requests 16 --max-model-len 2048 ;;
+    serve35eager) step "$stage" 540 python3 bench/load_serve.py --num-requests 64 --concurrency 16 --input-len 512 \
+      --output-len 64 --duration-s 120 --timeout-s 120 --out "$O/serve35eager.json" -- \
+      --model bench/shapes/qwen3.5-35b-a3b --load-format dummy --max-running-requests 16 --max-model-len 2048 \
+      --prefill-graph-rows 0 ;;
     multiturn) step "$stage" 540 python3 bench/load_serve.py --multi-turn --compare-no-cache --out "$O/multiturn.json" -- \
       --model bench/shapes/qwen3.5-35b-a3b --speculative-algorithm dflash \
       --speculative-draft-model-path bench/shapes/qwen3.5-35b-a3b-dflash2 --load-format dummy \
