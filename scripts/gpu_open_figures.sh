@@ -109,7 +109,7 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
       --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 4096 --turn-requests 1,8 \
       --out "$O/prefill35.json" ;;
     prefill35eager) step "$stage" 240 python3 scripts/diag/prefill_trace.py --model bench/shapes/qwen3.5-35b-a3b \
-      --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 0 --turn-requests 1,8 \
+      --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 4096 --turn-requests 1,8 \
       --prefill-graph-rows 0 --out "$O/prefill35eager.json" ;;
     firstuse35) step "$stage" 300 python3 scripts/diag/prefill_trace.py --model bench/shapes/qwen3.5-35b-a3b \
       --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 4096 --turn-requests 1,8 \
