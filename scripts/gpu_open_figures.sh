@@ -77,7 +77,7 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
       conformance/ops/test_moe_router.py conformance/layers/test_fast_moe_prefill.py conformance/gpu/test_memory_plan.py ;;
     ops_tests) step "$stage" 240 python3 -m pytest -q -p no:cacheprovider conformance/ops/test_paged_attention.py \
       conformance/ops/test_gdn_prologue.py conformance/ops/test_moe_router.py conformance/ops/test_gdn_recurrent.py \
-      conformance/layers/test_fast_moe_prefill.py conformance/gpu/test_prefill_graphs.py conformance/ops/test_gdn_prefill.py ;;
+      conformance/layers/test_fast_moe_prefill.py conformance/gpu/test_prefill_graphs_cuda.py conformance/ops/test_gdn_prefill.py ;;
     gdn_prefill) step "$stage" 150 python3 bench/kernels/bench_gdn_verify.py --prefill-rows 16,64,129,256,512,1024 \
       --out "$O/gdn_prefill.json" ;;
     quant_tests) step "$stage" 420 python3 -m pytest -q -p no:cacheprovider conformance/ops/test_quant_linear.py ;;

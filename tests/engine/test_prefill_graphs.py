@@ -4,7 +4,7 @@ the engine's tokens through the static prefill path against the eager engine's, 
 with prefix-cache hits (a second turn resumes from a snapshot and prefills only its new rows on the graph path).
 
 On CPU ``CapturedStep.replay`` runs the step function on the static fields, so everything but the capture runs
-here (conformance/gpu/test_prefill_graphs.py captures and replays).
+here (conformance/gpu/test_prefill_graphs_cuda.py captures and replays).
 """
 
 from __future__ import annotations
