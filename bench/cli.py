@@ -79,6 +79,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                         "random weights accept nothing")
     p.add_argument("--out", default=None, help="results folder (default: bench/results/<date>-<gpu>)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--prefill-graph-rows", type=int, default=None,
+                   help="EngineConfig.prefill_graph_rows: short prefill steps replayed as CUDA graphs up to this many "
+                        "rows (default: EngineConfig's)")
     p.add_argument("--cpu-cache-bytes", type=int, default=None,
                    help="CPU: the cache budget (default: EngineConfig's); the DFlash ring of many requests needs more")
     p.add_argument("--prompts", default=None,
@@ -160,6 +163,8 @@ def run_bench(args: argparse.Namespace) -> int:
                                   **({"cpu_cache_bytes": args.cpu_cache_bytes} if args.cpu_cache_bytes else {}),
                                   **({"memory_ratio": args.memory_ratio} if args.memory_ratio is not None else {}),
                                   "prefix_caching": args.prefix_caching,
+                                  **({"prefill_graph_rows": args.prefill_graph_rows}
+                                     if args.prefill_graph_rows is not None else {}),
                                   **({"dummy_weight_type": args.dummy_weight_type} if args.dummy_weight_type else {}),
                                   **{switch: getattr(args, switch) for switch in SPEED_SWITCHES}})
     return main(bench_args)

@@ -39,7 +39,7 @@
 #               kernels, and a chat turn resumed from the prefix cache (restore and prefill forward, 1 and 8 at once)
 #   hostp35     33: the same chat turn (one conversation) under cProfile: the host's share of a cached turn's prefill
 #   prefill35eager 33: prefill35's chat turns with every prefill step eager (--prefill-graph-rows 0): the A/B of the
-#               captured prefill steps (engine/prefill_graphs.py) against firstuse35's or prefill35's turns
+#               captured prefill steps (engine/graphs/prefill_graphs.py) against firstuse35's or prefill35's turns
 #   firstuse35  33, 34: prefill35 after ft serve's own warm-up: a first timed run far slower than the next is a kernel
 #               the warm-up left to compile on first use (session 10 saw 1.7 s on a first cached turn)
 #   moe_cross   33, 34: bench_moe.py --prefill at 16-256 rows: the per-pair kernels against the grouped GEMM (where
@@ -70,7 +70,10 @@ step() {  # step NAME LIMIT_S COMMAND...: at most LIMIT_S, and never past END
 
 S35="--model bench/shapes/qwen3.5-35b-a3b --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --load-format dummy"
 S27="--model bench/shapes/qwen3.5-27b --draft bench/shapes/qwen3.5-27b-dflash2 --load-format dummy"
-BENCH="python3 -m dflash2.cli bench --simulate-tokens-per-step seed --max-tokens 64"
+# the captured prefill steps (engine/graphs/prefill_graphs.py, off by default until measured here): every stage runs
+# them at PREFILL_GRAPH_ROWS (2048) but the *eager stages, their A/B (PREFILL_GRAPH_ROWS=0 runs every stage without)
+PG="--prefill-graph-rows ${PREFILL_GRAPH_ROWS:-2048}"
+BENCH="python3 -m dflash2.cli bench --simulate-tokens-per-step seed --max-tokens 64 $PG"
 for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
   case $stage in
     moe_tests) step "$stage" 150 python3 -m pytest -q -p no:cacheprovider conformance/ops/test_moe_grouped.py \
@@ -96,7 +99,7 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
       --out "$O/q27-$t"; done ;;
     serve35) step "$stage" 540 python3 bench/load_serve.py --num-requests 64 --concurrency 16 --input-len 512 \
       --output-len 64 --duration-s 120 --timeout-s 120 --out "$O/serve35.json" -- --model bench/shapes/qwen3.5-35b-a3b \
-      --load-format dummy --max-running-requests 16 --max-model-len 2048 ;;
+      --load-format dummy --max-running-requests 16 --max-model-len 2048 $PG ;;
     serve35eager) step "$stage" 540 python3 bench/load_serve.py --num-requests 64 --concurrency 16 --input-len 512 \
       --output-len 64 --duration-s 120 --timeout-s 120 --out "$O/serve35eager.json" -- \
       --model bench/shapes/qwen3.5-35b-a3b --load-format dummy --max-running-requests 16 --max-model-len 2048 \
@@ -104,19 +107,19 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
     multiturn) step "$stage" 540 python3 bench/load_serve.py --multi-turn --compare-no-cache --out "$O/multiturn.json" -- \
       --model bench/shapes/qwen3.5-35b-a3b --speculative-algorithm dflash \
       --speculative-draft-model-path bench/shapes/qwen3.5-35b-a3b-dflash2 --load-format dummy \
-      --speculative-depth fixed --max-running-requests 8 --max-model-len 4096 ;;
+      --speculative-depth fixed --max-running-requests 8 --max-model-len 4096 $PG ;;
     prefill35) step "$stage" 240 python3 scripts/diag/prefill_trace.py --model bench/shapes/qwen3.5-35b-a3b \
       --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 4096 --turn-requests 1,8 \
-      --out "$O/prefill35.json" ;;
+      --out "$O/prefill35.json" $PG ;;
     prefill35eager) step "$stage" 240 python3 scripts/diag/prefill_trace.py --model bench/shapes/qwen3.5-35b-a3b \
       --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 4096 --turn-requests 1,8 \
       --prefill-graph-rows 0 --out "$O/prefill35eager.json" ;;
     firstuse35) step "$stage" 300 python3 scripts/diag/prefill_trace.py --model bench/shapes/qwen3.5-35b-a3b \
       --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 4096 --turn-requests 1,8 \
-      --server-warm-up --top 10 --out "$O/firstuse35.json" ;;
+      --server-warm-up --top 10 --out "$O/firstuse35.json" $PG ;;
     hostp35) step "$stage" 200 python3 scripts/diag/prefill_trace.py --model bench/shapes/qwen3.5-35b-a3b \
       --draft bench/shapes/qwen3.5-35b-a3b-dflash2 --setting dflash7 --cold 0 --turn-requests 1 --host-profile \
-      --top 10 --out "$O/hostp35.json" ;;
+      --top 10 --out "$O/hostp35.json" $PG ;;
     moe_cross) step "$stage" 120 python3 bench/kernels/bench_moe.py --prefill 16,32,64,128,256 --out "$O/moe_cross.json" ;;
     router_cross) step "$stage" 150 python3 bench/kernels/bench_moe_router.py --only-35b --rows 16,64,128,256,512,2048 \
       --out "$O/router_cross.json" ;;

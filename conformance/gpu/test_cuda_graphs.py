@@ -1,4 +1,4 @@
-"""CUDA-graph replay of the decode and verify forwards (fast/engine/graph_step.py) on the GPU lane.
+"""CUDA-graph replay of the decode and verify forwards (fast/engine/graphs/graph_step.py) on the GPU lane.
 
 1. EXACT: for every key shape, one replay equals an eager forward of the same padded batch bit for
    bit (logits, hidden, taps), and writes the same K/V and GDN state (the pools are cloned, one copy
@@ -20,8 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.fast.engine.graph_step import TargetGraphs
-from dflash2.fast.engine.step_buffers import GraphKey, batch_view
+from dflash2.fast.engine.graphs.graph_step import TargetGraphs
+from dflash2.fast.engine.graphs.step_buffers import GraphKey, batch_view
 from dflash2.fast.llm import LLM, SamplingParams
 from dflash2.reference.runner import ReferenceRunner
 from dflash2.reference.tiny.draft import write_tiny_draft

@@ -1,7 +1,7 @@
-"""CUDA-graph replay of short prefill chunks (fast/engine/prefill_graphs.py) on the GPU lane.
+"""CUDA-graph replay of short prefill chunks (fast/engine/graphs/prefill_graphs.py) on the GPU lane.
 
 TOKEN_STREAM: the engine with its prefill steps captured gives the tokens of the same engine with every prefill
-step eager (``prefill_graph_rows=0``), off / MTP / DFlash, dense and MoE, fp32: prompts of different lengths on
+step eager (``prefill_graph_rows`` 2048 against 0), off / MTP / DFlash, dense and MoE, fp32: prompts of different lengths on
 3 slots (chunks padded to a row bucket, padding sequences beside them), then a second turn of each conversation
 resumed from the prefix cache (its new rows alone prefilled, on a replay). Prefill steps were replayed (counted),
 and the forward's layers run their CUDA forms there (the GDN recurrence in place, the paged-attention prefill
@@ -44,7 +44,7 @@ def test_captured_prefill_gives_the_eager_prefills_tokens(stack, algorithm):
     kwargs = dict(dtype=torch.float32, device="cuda", max_running_req=3, speculative_algorithm=algorithm,
                   speculative_depth="fixed", snapshot_interval=16,
                   speculative_draft_model_path=draft_dir if algorithm == "dflash" else None)
-    graphed, eager = LLM(target_dir, **kwargs), LLM(target_dir, prefill_graph_rows=0, **kwargs)
+    graphed, eager = LLM(target_dir, prefill_graph_rows=2048, **kwargs), LLM(target_dir, prefill_graph_rows=0, **kwargs)
     graphs = graphed.engine.runner.prefill_graphs
     assert graphs is not None and eager.engine.runner.prefill_graphs is None
     for turn in range(2):

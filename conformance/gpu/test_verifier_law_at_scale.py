@@ -51,7 +51,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from dflash2.fast.engine.graph_step import graph_summary
+from dflash2.fast.engine.graphs.graph_step import graph_summary
 from dflash2.fast.speculative.proposer import DraftProposal
 from dflash2.fast.speculative.verify import verify_ragged
 from dflash2.fast.kernels.sampling.philox import seeds_tensor

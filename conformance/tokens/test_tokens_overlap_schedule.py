@@ -20,7 +20,7 @@ import pytest
 
 from dflash2.fast.engine.config import EngineConfig
 from dflash2.fast.engine.engine import Engine
-from dflash2.fast.engine.graph_step import StepGraphs, TargetGraphs
+from dflash2.fast.engine.graphs.graph_step import StepGraphs, TargetGraphs
 from dflash2.fast.engine.scheduler import pages_for
 from dflash2.reference.request.sampling_params import SamplingParams
 

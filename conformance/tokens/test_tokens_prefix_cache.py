@@ -203,7 +203,7 @@ def test_under_overlap_scheduling_a_stop_hands_over_the_latest_checkpoint(tiny, 
     request's latest checkpoint (engine/checkpoints.py, every 64 tokens) becomes its finish snapshot, and the next
     turn resumes there with a cold run's tokens. (The CPU runs the captured step path without capturing, in the
     GPU's order: conformance/tokens/test_tokens_overlap_schedule.py.)"""
-    from dflash2.fast.engine.graph_step import StepGraphs, TargetGraphs
+    from dflash2.fast.engine.graphs.graph_step import StepGraphs, TargetGraphs
     from dflash2.fast.engine.scheduler import pages_for
 
     def overlapped() -> Engine:

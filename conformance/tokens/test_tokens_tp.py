@@ -27,7 +27,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dflash2.fast.engine.graph_step import TargetGraphs
+from dflash2.fast.engine.graphs.graph_step import TargetGraphs
 from dflash2.fast.engine.scheduler import pages_for
 from dflash2.fast.llm import LLM
 from dflash2.reference.formats.checkpoint import load_target

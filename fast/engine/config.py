@@ -58,7 +58,7 @@ class EngineConfig:
     dummy_weight_type: str | None = None
     enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying captured CUDA graphs
     # CUDA: prefill steps of at most this many rows (capped at max_num_batched_tokens), each chunk at most
-    # delta_rule.SHORT_PREFILL_ROWS, replay captured graphs (engine/prefill_graphs.py: a short chunk is bound by the
+    # delta_rule.SHORT_PREFILL_ROWS, replay captured graphs (engine/graphs/prefill_graphs.py: a short chunk is bound by the
     # host's launches); 0: every prefill step eager
     prefill_graph_rows: int = 2048
     # the speed switches below are all on by default; each off gives the same tokens (A/B timing, debugging)

@@ -19,7 +19,7 @@ from ..model.batch import ForwardBatch
 from ..model.pools import CachePools
 from ..model.target import FastOutput, FastTarget
 from .scheduler import Req
-from .step_buffers import kv_slot_mapping
+from .graphs.step_buffers import kv_slot_mapping
 
 
 class EagerStep:

@@ -59,8 +59,8 @@ from .config import EngineConfig
 from ..speculative.depth import depth_policy
 from ..speculative.step import SpeculativeStep
 from .checkpoints import Checkpoints
-from .graph_step import TargetGraphs
-from .prefill_graphs import PrefillGraphs
+from .graphs.graph_step import TargetGraphs
+from .graphs.prefill_graphs import PrefillGraphs
 from .logprobs import TokenLogprob
 from .prefix_cache import PrefixCache
 from .runner import ModelRunner

@@ -49,9 +49,9 @@ from ..model.pools import CachePools
 from ..model.target import FastTarget
 from ..speculative.step import SpeculativeStep
 from .eager_step import EagerStep
-from .graph_step import StepGraphs, TargetGraphs, graph_summary
+from .graphs.graph_step import StepGraphs, TargetGraphs, graph_summary
 from .logprobs import TokenLogprob, select_rows, token_logprobs
-from .prefill_graphs import PrefillGraphs
+from .graphs.prefill_graphs import PrefillGraphs
 from .sampling import sample_next, sampling_tensors
 from .scheduler import DecodePlan, PrefillPlan, Req
 

@@ -47,7 +47,7 @@ from ..speculative.mtp import FastMTPProposer
 from .config import EngineConfig
 from .memory import (MemoryPlan, activation_bytes, cache_budget_bytes, dflash_slot_bytes, dflash_workspace_bytes,
                      log_plan, plan_memory, rebuild_group, snapshot_count)
-from .prefill_graphs import graph_rows
+from .graphs.prefill_graphs import graph_rows
 from .snapshots import StateSnapshots
 from ..speculative.proposer import Proposer
 

@@ -12,7 +12,7 @@ reads up to ``context_lens``) and overwritten by the next step's rows at the sam
 freed or copied on a rejection. The DFlash ring is the same story.
 
 :class:`SpeculativeStep` holds the pieces; the engine's eager verify (``engine/runner.py`` over
-``engine/eager_step.py``) and its captured step (``engine/graph_step.py``) both run them. The captured step runs :meth:`SpeculativeStep.verify_uniform`,
+``engine/eager_step.py``) and its captured step (``engine/graphs/graph_step.py``) both run them. The captured step runs :meth:`SpeculativeStep.verify_uniform`,
 where a proposer that ``observes_taps_only`` observes on a side stream from the target's last tapped layer on,
 joined at the end (``fast/model/side_stream.py``): the same values as observing after the commit (its inputs
 are the taps and the batch, its outputs the proposer's own state, read next step).

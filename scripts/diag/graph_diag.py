@@ -5,7 +5,7 @@ sys.path.insert(0, os.path.join(os.getcwd(), "conformance/gpu"))
 from dflash2.fast.kernels.sampling.rejection import verify_triton, verify_torch
 from dflash2.fast.kernels.sampling.row_filter import filter_triton
 from dflash2.fast.kernels.sampling.sampler import SamplingTensors
-from dflash2.fast.engine.graph_step import graph_summary
+from dflash2.fast.engine.graphs.graph_step import graph_summary
 from dflash2.reference.request.sampling_params import SamplingParams
 import test_verifier_law_at_scale as law
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.fast.engine.graph_step import StepGraphs, TargetGraphs
+from dflash2.fast.engine.graphs.graph_step import StepGraphs, TargetGraphs
 from dflash2.fast.engine.scheduler import pages_for
 from dflash2.fast.llm import LLM, SamplingParams
 from dflash2.reference.tiny.draft import write_tiny_draft

@@ -1,4 +1,4 @@
-"""The captured prefill steps (fast/engine/prefill_graphs.py) without the capture, on CPU: the keys' padding
+"""The captured prefill steps (fast/engine/graphs/prefill_graphs.py) without the capture, on CPU: the keys' padding
 arithmetic (every chunk layout that fits a key fills it with padding sequences of 1..Tq rows), the host fill, and
 the engine's tokens through the static prefill path against the eager engine's, off / MTP / DFlash, dense and MoE,
 with prefix-cache hits (a second turn resumes from a snapshot and prefills only its new rows on the graph path).
@@ -15,10 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash2.fast.engine.prefill_graphs import (PrefillGraphs, PrefillKey, field_sizes, fill_prefill,
+from dflash2.fast.engine.graphs.prefill_graphs import (PrefillGraphs, PrefillKey, field_sizes, fill_prefill,
                                                 padding_lengths, prefill_key, row_buckets)
 from dflash2.fast.engine.scheduler import pages_for
-from dflash2.fast.engine.step_buffers import StaticInputs
+from dflash2.fast.engine.graphs.step_buffers import StaticInputs
 from dflash2.fast.kernels.gdn.delta_rule import SHORT_PREFILL_ROWS
 from dflash2.fast.llm import LLM, SamplingParams
 from dflash2.reference.tiny.draft import write_tiny_draft

@@ -1,10 +1,10 @@
-"""fast/engine/propose_ahead.py: when a captured step launches the next step's proposal, and when that
+"""fast/engine/graphs/propose_ahead.py: when a captured step launches the next step's proposal, and when that
 proposal is used. The policy is host logic; the captured step that follows it is tested in
 tests/engine/test_step_replay_order.py and, on the GPU, conformance/gpu/test_cuda_graphs.py."""
 
 from __future__ import annotations
 
-from dflash2.fast.engine.propose_ahead import Prediction, ProposeAhead
+from dflash2.fast.engine.graphs.propose_ahead import Prediction, ProposeAhead
 
 KEY = ("verify", 1, 8)
 FIELDS = ((5,), (17,), (0,), ())

@@ -62,7 +62,7 @@ def test_the_captured_dflash_step_observes_before_the_verify_and_the_commit(tmp_
     """The static step (the CPU runs its function on the static fields) calls ``observe_taps`` from inside
     the target forward, before the verify and the GDN commit; the eager verify step observes last. Both
     give the same tokens (tests/engine/test_static_steps.py holds the static path to the eager one)."""
-    from dflash2.fast.engine.graph_step import StepGraphs, TargetGraphs
+    from dflash2.fast.engine.graphs.graph_step import StepGraphs, TargetGraphs
     from dflash2.fast.engine.scheduler import pages_for
     from dflash2.fast.llm import LLM, SamplingParams
     from dflash2.reference.tiny.draft import write_tiny_draft

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash2.fast.engine.step_buffers import PROPOSAL_FIELDS, GraphKey, StaticInputs, field_sizes
+from dflash2.fast.engine.graphs.step_buffers import PROPOSAL_FIELDS, GraphKey, StaticInputs, field_sizes
 
 SIZES = field_sizes(GraphKey(num_seqs=3, rows_per_seq=2, pages=5, is_verify=True), decode=False)
 EARLY = PROPOSAL_FIELDS
@@ -99,7 +99,7 @@ def test_speculative_rows_on_the_device_are_the_host_fill():
     """``speculative_rows`` (a speculative step's positions, K/V slots and context lengths, derived in the step from
     its anchors) equals ``fill_batch``'s host fields for the same requests: 3 real requests in a bucket of 4, one
     near its end whose last rows pass its pages (they write nothing) and one whose rows pass the table's width."""
-    from dflash2.fast.engine.step_buffers import fill_batch, fill_tables, fill_values, speculative_rows
+    from dflash2.fast.engine.graphs.step_buffers import fill_batch, fill_tables, fill_values, speculative_rows
     from dflash2.fast.model.batch import PAD_SLOT
 
     key = GraphKey(num_seqs=4, rows_per_seq=4, pages=3, is_verify=True)

@@ -1,4 +1,4 @@
-"""The CUDA-graph step path (fast/engine/graph_step.py) without the capture, on CPU: static buffers, bucket
+"""The CUDA-graph step path (fast/engine/graphs/graph_step.py) without the capture, on CPU: static buffers, bucket
 padding (3 running requests in a bucket of 4, page tables widened to a power of two), the one-upload fill,
 and the whole speculative step function (propose -> verify forward -> verify -> commit -> observe).
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.fast.engine.graph_step import StepGraphs, TargetGraphs
-from dflash2.fast.engine.step_buffers import buckets, page_bucket
+from dflash2.fast.engine.graphs.graph_step import StepGraphs, TargetGraphs
+from dflash2.fast.engine.graphs.step_buffers import buckets, page_bucket
 from dflash2.fast.engine.scheduler import pages_for
 from dflash2.fast.llm import LLM, SamplingParams
 from dflash2.reference.tiny.draft import write_tiny_draft

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash2.fast.engine.graph_step import PROPOSED, StepGraphs, advance_proposal_fields
-from dflash2.fast.engine.propose_ahead import ProposeAhead
-from dflash2.fast.engine.step_buffers import PROPOSAL_FIELDS, GraphKey
+from dflash2.fast.engine.graphs.graph_step import PROPOSED, StepGraphs, advance_proposal_fields
+from dflash2.fast.engine.graphs.propose_ahead import ProposeAhead
+from dflash2.fast.engine.graphs.step_buffers import PROPOSAL_FIELDS, GraphKey
 from dflash2.reference.request.sampling_params import SamplingParams
 
 KEY = GraphKey(num_seqs=2, rows_per_seq=3, pages=2, is_verify=True)

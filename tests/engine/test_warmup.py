@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.fast.engine.graph_step import StepGraphs, TargetGraphs
-from dflash2.fast.engine.step_buffers import buckets
+from dflash2.fast.engine.graphs.graph_step import StepGraphs, TargetGraphs
+from dflash2.fast.engine.graphs.step_buffers import buckets
 from dflash2.fast.engine.scheduler import pages_for
 from dflash2.fast.engine.warmup import warm_up
 from dflash2.fast.llm import LLM

@@ -50,7 +50,7 @@ from ...parallel.group import TPGroup
 from ...parallel.nccl import NcclComm
 from ...speculative.commit import commit_verify
 from ..config import EngineConfig
-from ..graph_step import TargetGraphs
+from ..graphs.graph_step import TargetGraphs
 from ..snapshots import StateSnapshots
 from ..startup import load_model
 

@@ -50,7 +50,7 @@ def gated_delta_rule_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 
 def _prefill_fla(q, k, v, g, beta, state, meta, verify_rows):
     # one sequence: no sequence table, so fla reads none on the host (its chunk index is built from cu_seqlens
-    # with a device-to-host copy), and the step can be captured in a CUDA graph (engine/prefill_graphs.py)
+    # with a device-to-host copy), and the step can be captured in a CUDA graph (engine/graphs/prefill_graphs.py)
     return gated_delta_rule_prefill_fla(q, k, v, g, beta, state, None if meta.num_seqs == 1 else meta.cu_seqlens)
 
 

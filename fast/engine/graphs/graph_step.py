@@ -45,14 +45,14 @@ from torch import Tensor
 
 from dflash2.reference.request.sampling_params import SamplingParams
 
-from ..kernels.sampling.sampler import HostSummary, SamplingTensors
-from ..model.capture import cutting, graph_cut
-from ..model.target import FastOutput, FastTarget
-from ..model.batch import PAD_SLOT, ForwardBatch
-from ..model.pools import CachePools
-from ..speculative.step import SpeculativeStep
+from ...kernels.sampling.sampler import HostSummary, SamplingTensors
+from ...model.capture import cutting, graph_cut
+from ...model.target import FastOutput, FastTarget
+from ...model.batch import PAD_SLOT, ForwardBatch
+from ...model.pools import CachePools
+from ...speculative.step import SpeculativeStep
 from .propose_ahead import Prediction, ProposeAhead
-from .sampling import sample_next
+from ..sampling import sample_next
 from .step_buffers import (PROPOSAL_FIELDS, GraphKey, StaticInputs, StepFields, batch_view, buckets, field_sizes,
                            fill_batch, fill_sampling, fill_tables, fill_values, page_bucket, real_rows,
                            speculative_rows)

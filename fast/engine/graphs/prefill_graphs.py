@@ -50,10 +50,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels.gdn.delta_rule import SHORT_PREFILL_ROWS
-from ..model.batch import PAD_SLOT, ForwardBatch
-from ..model.pools import CachePools
-from ..model.target import FastOutput, FastTarget
+from ...kernels.gdn.delta_rule import SHORT_PREFILL_ROWS
+from ...model.batch import PAD_SLOT, ForwardBatch
+from ...model.pools import CachePools
+from ...model.target import FastOutput, FastTarget
 from .graph_step import CapturedStep
 from .step_buffers import StaticInputs, StepFields, fill_values, real_rows
 

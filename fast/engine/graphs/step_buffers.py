@@ -36,8 +36,8 @@ from torch import Tensor
 
 from dflash2.reference.request.sampling_params import SamplingParams
 
-from ..kernels.sampling.philox import seed_bits
-from ..model.batch import PAD_SLOT, ForwardBatch
+from ...kernels.sampling.philox import seed_bits
+from ...model.batch import PAD_SLOT, ForwardBatch
 
 MIN_PAGES = 16
 
