@@ -35,9 +35,11 @@ fla's chunked kernels, which need no host read of a sequence table for one seque
 A cold prefill step is host-bound too: a 4,096-token prompt of the 35B-A3B ran 121 ms of kernels in 236-267 ms.
 
 Not captured (eager, ``eager_step.py``): any other chunk longer than Tq rows, past ``max_rows`` rows in all, more than
-``max_seqs`` chunks, a traced step or one asking for logprobs, tensor parallelism (its workers mirror eager
+``max_seqs`` chunks, a step asking for logprobs, tensor parallelism (its workers mirror eager
 forwards only), CPU tensors (on the CPU a "replay" runs the step function on the static fields: the CPU lane tests
-the padding and the fill, not the capture). All keys are captured by the warm-up (:meth:`capture_all`), each in
+the padding and the fill, not the capture). The engine makes these graphs where ``EngineConfig.prefill_graph_rows``
+is not 0 (off by default until a GPU has captured and measured them); its warm-up captures every key
+(:meth:`capture_all`), each in
 the pool of this class alone, so the memory plan allows one forward of ``rows`` rows for it
 (``memory.activation_bytes``).
 """
@@ -57,7 +59,7 @@ from ...model.target import FastOutput, FastTarget
 from .graph_step import CapturedStep
 from .step_buffers import StaticInputs, StepFields, fill_values, real_rows
 
-MIN_ROWS = 64  # the smallest row bucket: below it a replay saves little more than at 64
+MIN_ROWS = 64  # the smallest row bucket (a chunk of fewer rows pads to it: fewer captures, not measured against more)
 
 
 @dataclass(frozen=True)
