@@ -47,7 +47,7 @@ from ..speculative.mtp import FastMTPProposer
 from .config import EngineConfig
 from .memory import (MemoryPlan, activation_bytes, cache_budget_bytes, dflash_slot_bytes, dflash_workspace_bytes,
                      log_plan, plan_memory, rebuild_group, snapshot_count)
-from .graphs.prefill_graphs import graph_rows
+from .graphs.prefill_graphs import graph_rows, outputs_bytes
 from .snapshots import StateSnapshots
 from ..speculative.proposer import Proposer
 
@@ -154,9 +154,13 @@ def load_model(config: EngineConfig, tp: TPGroup | None = None) -> LoadedModel:
             target, max_num_batched_tokens=cfg.max_num_batched_tokens, max_step_rows=num_slots * (k + 1),
             graph_pools=graph_pools, page_size=cfg.page_size, max_verify_rows=k + 1, mtp=mtp_kv,
             prefill_graph_rows=prefill_rows)
-        if prefill_rows and draft is not None:  # the draft's observe of those rows runs in the same pool
-            graph_pools_bytes += dflash_workspace_bytes(draft_cfg, dtype, max_num_batched_tokens=prefill_rows,
-                                                        num_slots=1)
+        if prefill_rows:  # each capture's outputs stay in that pool; the draft's observe of the rows runs there too
+            graph_pools_bytes += outputs_bytes(min(cfg.prefill_graph_rows, cfg.max_num_batched_tokens), num_slots,
+                                               hidden_size=target_cfg.hidden_size, num_taps=len(tap_layers),
+                                               vocab_size=target_cfg.vocab_size, itemsize=_itemsize(dtype))
+            if draft is not None:
+                graph_pools_bytes += dflash_workspace_bytes(draft_cfg, dtype, max_num_batched_tokens=prefill_rows,
+                                                            num_slots=1)
     budget = cache_budget_bytes(cfg, device) - activations - graph_pools_bytes
     state_bytes = gdn_bytes_per_slot(local_cfg, dtype) + verify_bytes_per_seq(local_cfg, dtype, k + 1)
     # on CUDA the budget is everything within memory_ratio, so the draft's temporaries come out of it;

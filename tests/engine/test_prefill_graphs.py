@@ -26,8 +26,8 @@ from dflash2.reference.tiny.target import write_tiny_target
 
 
 def test_row_buckets_and_keys():
-    assert row_buckets(2048) == [64, 128, 256, 512, 1024, 2048] and row_buckets(100) == [64, 100]
-    assert row_buckets(40) == [40]
+    assert row_buckets(2048) == [64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert row_buckets(100) == [64, 100] and row_buckets(40) == [40] and row_buckets(600) == [64, 128, 256, 512, 600]
     key = prefill_key(2048, max_seqs=8, pages=32)
     assert key.max_query_len == SHORT_PREFILL_ROWS and key.rows == 2048 + key.seqs and key.logits == 8
     with pytest.raises(ValueError, match="cannot fill"):

@@ -6,8 +6,8 @@ host. On the 35B-A3B shape (H100) a chat turn of 129 rows ran 34 ms of kernels i
 turns 58 ms in 125-154 ms (about 3,000 launches a forward: bench/results/2026-12-07e-h100-serve-prefill/). A
 replay launches them from the device.
 
-What a capture fixes, and how a ragged chunk fits it. A key is a row bucket ``Nb`` (64, 128, ... up to
-``max_rows``); its graph runs ``seqs = max_seqs + X`` sequences over ``rows = Nb + seqs`` rows with
+What a capture fixes, and how a ragged chunk fits it. A key is a row bucket ``Nb`` (64, 128, 256, 512, then
+every 256 rows up to ``max_rows``: :func:`row_buckets`); its graph runs ``seqs = max_seqs + X`` sequences over ``rows = Nb + seqs`` rows with
 ``max_query_len = Tq = min(Nb, SHORT_PREFILL_ROWS)``. A step of b <= ``max_seqs`` chunks and n <= Nb rows, each
 chunk at most Tq rows, fills it as:
 
@@ -40,8 +40,8 @@ forwards only), CPU tensors (on the CPU a "replay" runs the step function on the
 the padding and the fill, not the capture). The engine makes these graphs where ``EngineConfig.prefill_graph_rows``
 is not 0 (off by default until a GPU has captured and measured them); its warm-up captures every key
 (:meth:`capture_all`), each in
-the pool of this class alone, so the memory plan allows one forward of ``rows`` rows for it
-(``memory.activation_bytes``).
+the pool of this class alone, so the memory plan allows it one forward of the largest key's rows
+(``memory.activation_bytes``) and every capture's outputs (:func:`outputs_bytes`).
 """
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ from .graph_step import CapturedStep
 from .step_buffers import StaticInputs, StepFields, fill_values, real_rows
 
 MIN_ROWS = 64  # the smallest row bucket (a chunk of fewer rows pads to it: fewer captures, not measured against more)
+# past DOUBLING_ROWS the buckets grow by this many rows, not by doubling: eight 129-row chat turns (1,032 rows) pad
+# to 1,280 rows, not to 2,048 (the MoE's rows cost the grouped GEMM's, and every padded row runs every layer)
+BUCKET_STEP = 256
+DOUBLING_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -73,11 +77,11 @@ class PrefillKey:
 
 
 def row_buckets(max_rows: int) -> list[int]:
-    """The row buckets: 64, 128, ... doubling, the last one ``max_rows`` itself."""
+    """The row buckets: 64, 128, 256, 512 (doubling), then every ``BUCKET_STEP`` rows; the last one ``max_rows``."""
     sizes, n = [], MIN_ROWS
     while n < max_rows:
         sizes.append(n)
-        n *= 2
+        n = n * 2 if n < DOUBLING_ROWS else n + BUCKET_STEP
     return sizes + [max_rows]
 
 
@@ -226,5 +230,17 @@ class PrefillGraphs:
 
 def graph_rows(max_rows: int, max_seqs: int) -> int:
     """The rows of the largest prefill graph of an engine whose prefill steps capture up to ``max_rows`` rows
-    (0: none): what the memory plan allows its pool for."""
+    (0: none): the forward whose activations the memory plan allows the pool."""
     return prefill_key(row_buckets(max_rows)[-1], max_seqs=max_seqs, pages=1).rows if max_rows else 0
+
+
+def outputs_bytes(max_rows: int, max_seqs: int, *, hidden_size: int, num_taps: int, vocab_size: int,
+                  itemsize: int) -> int:
+    """The outputs every capture keeps in the pool beside the shared temporaries: per key its hidden and taps
+    ``[rows, (1 + num_taps) C]`` in the model dtype and its logits ``[logits, V]`` fp32 (0 for ``max_rows`` 0)."""
+    if not max_rows:
+        return 0
+    keys = [prefill_key(n, max_seqs=max_seqs, pages=1) for n in row_buckets(max_rows)]
+    if max_rows > keys[-1].max_query_len:
+        keys.append(PrefillKey(max_rows, max_rows, 1, max_rows, 1, 1))  # the whole-chunk key
+    return sum(k.rows * (1 + num_taps) * hidden_size * itemsize + k.logits * vocab_size * 4 for k in keys)
