@@ -1,9 +1,10 @@
 """The eager step: a step's ForwardBatch built on the host from the scheduler's requests, copied to the device
-once, and the target run on it (every prefill chunk; decode and verify steps that fit no captured graph, on the
-CPU, with ``enforce_eager``, or when a trace or logprobs are asked for).
+once, and the target run on it (prefill chunks that replay no captured prefill step, ``graphs/prefill_graphs.py``;
+decode and verify steps that fit no captured graph; on the CPU, with ``enforce_eager``, or when a trace or logprobs
+are asked for).
 
 A batch is built as whole host tensors (no loop over rows): sequence b runs ``lengths[b]`` rows at positions
-``starts[b]..``, its K/V slots through its page table (``step_buffers.kv_slot_mapping``), its GDN state slot
+``starts[b]..``, its K/V slots through its page table (``graphs/step_buffers.kv_slot_mapping``), its GDN state slot
 ``req.slot``.
 """
 

@@ -184,7 +184,9 @@ def log_plan(plan: MemoryPlan, *, draft_ring_bytes: int = 0, draft_window_bytes:
 # ``max_running_req * (k + 1)`` rows; the allowance is the activation peak of a forward of that many rows,
 # times the number of pools. The forward measured is a prefill of those rows (the same matmuls; a verify's
 # attention and GDN temporaries per row are of the same order), so the allowance is an estimate: the warm-up,
-# which captures every graph, logs the memory it really reached (``log_reached``).
+# which captures every graph, logs the memory it really reached (``log_reached``). The captured prefill steps
+# (``graphs/prefill_graphs.py``, where ``prefill_graph_rows`` is set) have a pool of their own: a forward at their
+# largest key's rows, every capture's kept outputs and the draft's observe workspace (``startup.py``).
 #
 # The draft's temporaries beyond a step's activations have their own workspace (``dflash_workspace_bytes``).
 

@@ -8,8 +8,9 @@ waves after it (measured: bench/results/2026-12-01-h200-serve/). One more reques
 chunk alone (a long prompt's chunk takes other kernels than many short prompts'), and, with a prefix
 cache, each wave's request takes a second turn through a cache hit.
 
-The captured prefill steps (``prefill_graphs.py``, one per row bucket) are captured first, all of them, so the
-waves' short chunks replay them and no client's chunk waits for a capture.
+Where the engine captures prefill steps (``graphs/prefill_graphs.py``, one per row bucket, with
+``prefill_graph_rows`` set), they are captured first, all of them, so the waves' short chunks replay them and no
+client's chunk waits for a capture.
 
 ``warm_up`` runs two waves of ``max_running_req`` requests before the server listens, greedy and
 then sampled the way most clients sample (temperature and top-p, top-k off), so the filter's and

@@ -17,9 +17,10 @@ first, then layer groups: ``fast/model/capture.py``), so the host's launch of on
 one before. Capture happens on first use of a key, on all-padding inputs (the warm-up runs and the capture then
 touch only the trash slot and row), so no step runs twice. All graphs of one kind share one memory pool: they
 replay one at a time, and each step's outputs are read before the next replay (or, a step that launches the next
-proposal ahead, copied out first). A step that fits no graph (a prefill chunk, more requests than
-max_running_req, a traced step or one asking for logprobs, CPU tensors, or ops that synchronise with the host)
-runs eagerly (``runner.py``); ``enforce_eager`` runs every step eagerly.
+proposal ahead, copied out first). A prefill chunk replays a graph of ``prefill_graphs.py`` where it is short
+and those are on (``EngineConfig.prefill_graph_rows``). A step that fits no graph (any other prefill chunk, more
+requests than max_running_req, a traced step or one asking for logprobs, CPU tensors, or ops that synchronise with
+the host) runs eagerly (``runner.py``); ``enforce_eager`` runs every step eagerly.
 
 Eager and replay compute the same padded batch with the same kernels, so their outputs are equal bit for bit
 (``conformance/gpu/test_cuda_graphs.py``); an unpadded eager step may differ in rounding, since GEMM kernels
