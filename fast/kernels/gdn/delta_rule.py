@@ -94,7 +94,8 @@ def gdn_recurrence_in_place_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b
 # 2026-12-07e-h100-serve-prefill/hostp35.log) where the recurrence is one launch, with no gathered copy of the
 # states. Its device time grows with the rows (one row after another): at 129 rows an estimated 50-100 us a layer,
 # near fla's; 256 is where that estimate still stays within a few ms a forward (not yet measured:
-# bench/kernels/bench_gdn_verify.py --prefill-rows).
+# bench/kernels/bench_gdn_verify.py --prefill-rows). The captured prefill steps (engine/graphs/prefill_graphs.py)
+# bound each chunk by it, so their GDN layers take this one-launch form, which reads no layout on the host.
 SHORT_PREFILL_ROWS = 256
 
 
