@@ -227,7 +227,6 @@ class PrefillGraphs:
         return step
 
 
-
 def graph_rows(max_rows: int, max_seqs: int) -> int:
     """The rows of the largest prefill graph of an engine whose prefill steps capture up to ``max_rows`` rows
     (0: none): the forward whose activations the memory plan allows the pool."""
