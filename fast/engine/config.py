@@ -59,8 +59,8 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying captured CUDA graphs
     # CUDA: prefill steps of at most this many rows (capped at max_num_batched_tokens), each chunk at most
     # delta_rule.SHORT_PREFILL_ROWS, replay captured graphs (engine/graphs/prefill_graphs.py: a short chunk is bound by the
-    # host's launches); 0: every prefill step eager
-    prefill_graph_rows: int = 2048
+    # host's launches); 0: every prefill step eager. 0 until a GPU has captured them (2048 is the setting to measure)
+    prefill_graph_rows: int = 0
     # the speed switches below are all on by default; each off gives the same tokens (A/B timing, debugging)
     side_stream: bool = True  # CUDA: a verify step's DFlash observe on a second stream beside the step
     propose_ahead: bool = True  # CUDA: a steady DFlash step launches the next step's proposal before it returns
