@@ -14,11 +14,11 @@ exact run it will time (so every CUDA graph is captured and every kernel compile
   top-k 20, top-p 0.95, temperature 1 (the seed's 646 us figure: 4 requests, k = 7, graph replay);
 - tokens/s: the tokens of all requests' decode or verify steps over those steps' wall time (the
   prefill, which yields each request's first token, is reported apart), and tokens per step;
-- prefill: the summed host wall time of the ``ModelRunner.prefill`` calls of the timed generate, the prefix cache
+- prefill: the summed wall time of the ``ModelRunner.prefill`` calls of the timed generate, the prefix cache
   emptied first so every prompt token is prefilled; each call runs chunks of at most max_num_batched_tokens rows in
-  all (a longer prompt takes several calls), and a call that completes a prompt ends on the device read of its
-  first token (an earlier chunk's kernels may run on into the next call's time); prefill tokens/s: the rows those
-  calls prefilled over that time.
+  all (a longer prompt takes several calls) and is timed from a synchronized device to the end of its own device
+  work (``StepClock``: a replayed chunk returns before its kernels run); prefill tokens/s: the rows those calls
+  prefilled over that time.
 
 Random weights accept no drafts. ``--simulate-tokens-per-step T`` (timing only, labelled in every
 output) makes each verify keep drafts so the mean committed tokens per step is T (the seed's
@@ -92,8 +92,11 @@ class StepClock:
 
     A speculative step's results come back from ``verify`` or, under overlap scheduling, from ``collect`` (the
     step launched ahead by the call before): each such call reads one step, so both count as verify steps, and
-    the host time of a ``collect`` is the wait for the step it reads (the next one is already queued). Each prefill
-    call's chunks are kept as ``(start, length, completes_prompt)``, the rows it prefilled.
+    the host time of a ``collect`` is the wait for the step it reads (the next one is already queued). A prefill
+    call is timed from a synchronized device to the end of its own device work (a synchronize after it): a chunk
+    that completes no prompt reads nothing back, and replayed as a captured graph (``--prefill-graph-rows``) it
+    returns before its kernels have run, so its host time alone would leave them out. Each prefill call's chunks
+    are kept as ``(start, length, completes_prompt)``, the rows it prefilled.
     """
 
     def __init__(self, runner, before_verify=None):
@@ -106,11 +109,18 @@ class StepClock:
         runner.collect = self._timed("verify", runner.collect)
 
     def _timed(self, kind, fn):
+        device = self.runner.device
+        sync = (lambda: torch.cuda.synchronize(device)) if kind == "prefill" and device.type == "cuda" else None
+
         def call(*args, **kwargs):
             if kind == "verify" and self.before_verify is not None:
                 self.before_verify()
+            if sync is not None:
+                sync()
             start = time.perf_counter()
             result = fn(*args, **kwargs)
+            if sync is not None:
+                sync()
             self.times[kind].append(time.perf_counter() - start)
             if kind == "verify":
                 self.accepted += [r.num_accepted for r in result]

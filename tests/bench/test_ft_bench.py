@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from dflash2.bench.report import ratio_medians, step_ratios
 from dflash2.bench.simulated import SimulatedAcceptance
@@ -208,6 +209,8 @@ def test_the_step_clock_counts_the_steps_collected_under_overlap_scheduling():
     from dflash2.bench.run import StepClock
 
     class Runner:
+        device = torch.device("cpu")
+
         def prefill(self, plan):
             return []
 
