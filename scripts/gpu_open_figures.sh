@@ -80,7 +80,7 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
   case $stage in
     moe_tests) step "$stage" 150 python3 -m pytest -q -p no:cacheprovider conformance/ops/test_moe_grouped.py \
       conformance/ops/test_moe_router.py conformance/layers/test_fast_moe_prefill.py conformance/gpu/test_memory_plan.py ;;
-    pg_gate) step "$stage" 240 python3 -m pytest -q -x -p no:cacheprovider conformance/ops/test_gdn_prefill.py \
+    pg_gate) step "$stage" 320 python3 -m pytest -q -x -p no:cacheprovider conformance/ops/test_gdn_prefill.py \
       conformance/gpu/test_prefill_graphs_cuda.py
       # a capture that fails or differs would fail every later stage that replays prefill graphs: run those eagerly
       tail -n 1 "$O/$stage.log" | grep ' passed' | grep -q -v -E 'failed|error' \
