@@ -59,7 +59,8 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying captured CUDA graphs
     # CUDA: prefill steps of at most this many rows (capped at max_num_batched_tokens), each chunk at most
     # delta_rule.SHORT_PREFILL_ROWS, replay captured graphs (engine/graphs/prefill_graphs.py: a short chunk is bound by the
-    # host's launches); 0: every prefill step eager. 0 until a GPU has captured them (2048 is the setting to measure)
+    # host's launches); 0: every prefill step eager. 0 until ft serve's warm-up with them (capture_all) has run on a
+    # GPU: the H100 has run them through LLM and prefill_trace (bench/results/2026-12-08-h100-prefill-graphs/)
     prefill_graph_rows: int = 0
     # the speed switches below are all on by default; each off gives the same tokens (A/B timing, debugging)
     side_stream: bool = True  # CUDA: a verify step's DFlash observe on a second stream beside the step
