@@ -57,8 +57,9 @@ O=${OUT:-/tmp/open}/open
 mkdir -p "$O"
 T0=$(date +%s)
 END=$(( T0 + ${BUDGET_S:-540} ))
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; git rev-parse --short HEAD 2>/dev/null \
-  || cat REV 2>/dev/null; } > "$O/gpu.txt"
+# the frozen copy's REV first: a copy has no .git of its own, so git finds the enclosing checkout's (stale) HEAD
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; cat REV 2>/dev/null \
+  || git rev-parse --short HEAD 2>/dev/null; } > "$O/gpu.txt"
 
 step() {  # step NAME LIMIT_S COMMAND...: at most LIMIT_S, and never past END
   local name=$1 limit=$2 left
@@ -74,8 +75,11 @@ S35="--model bench/shapes/qwen3.5-35b-a3b --draft bench/shapes/qwen3.5-35b-a3b-d
 S27="--model bench/shapes/qwen3.5-27b --draft bench/shapes/qwen3.5-27b-dflash2 --load-format dummy"
 # the captured prefill steps (engine/graphs/prefill_graphs.py, off by default until measured here): every stage runs
 # them at PREFILL_GRAPH_ROWS (2048) but the *eager stages, their A/B (PREFILL_GRAPH_ROWS=0 runs every stage without)
-PG="--prefill-graph-rows ${PREFILL_GRAPH_ROWS:-2048}"
-BENCH="python3 -m dflash2.cli bench --simulate-tokens-per-step seed --max-tokens 64 $PG"
+set_pg() {  # set_pg ROWS: the prefill graph rows of every later stage, ft bench's included
+  PG="--prefill-graph-rows $1"
+  BENCH="python3 -m dflash2.cli bench --simulate-tokens-per-step seed --max-tokens 64 $PG"
+}
+set_pg "${PREFILL_GRAPH_ROWS:-2048}"
 for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
   case $stage in
     moe_tests) step "$stage" 150 python3 -m pytest -q -p no:cacheprovider conformance/ops/test_moe_grouped.py \
@@ -84,8 +88,7 @@ for stage in ${STAGES:-moe_tests quant_tests bench_moe bench_quant b35 b27}; do
       conformance/gpu/test_prefill_graphs_cuda.py
       # a capture that fails or differs would fail every later stage that replays prefill graphs: run those eagerly
       tail -n 1 "$O/$stage.log" | grep ' passed' | grep -q -v -E 'failed|error' \
-        || { PG="--prefill-graph-rows 0"; BENCH="${BENCH/--prefill-graph-rows [0-9]*/$PG}"
-             echo "pg_gate: prefill graphs off for the later stages" >> "$O/steps.txt"; } ;;
+        || { set_pg 0; echo "pg_gate: prefill graphs off for the later stages" >> "$O/steps.txt"; } ;;
     ops_tests) step "$stage" 240 python3 -m pytest -q -p no:cacheprovider conformance/ops/test_paged_attention.py \
       conformance/ops/test_gdn_prologue.py conformance/ops/test_moe_router.py conformance/ops/test_gdn_recurrent.py \
       conformance/layers/test_fast_moe_prefill.py ;;
